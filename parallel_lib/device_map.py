@@ -1,0 +1,158 @@
+"""Device maps: which consecutive layers of a model live on which device.
+
+A device map is a plain dict ``{device: [layer indices]}``, the format the old
+``transformers`` ``parallelize()`` used, so a reader can print it, compare it with
+the classic article's table and pass it around. Keeping it pure data (no torch)
+lets tests check every shape of split, and the same map drives the layer
+placement, the timeline lanes and the memory report.
+
+Device keys. A key is either an ``int`` (a device *index*, as the old Hugging Face
+maps used), a string such as ``"cuda:1"`` or ``"cpu"``, or a ``torch.device``.
+:func:`resolve_device` turns a key into the ``torch.device`` its layers run on: an
+int ``k`` becomes ``cuda:k`` when that GPU exists and ``cpu`` otherwise, while a
+string or ``torch.device`` is taken literally. Int keys are how a CPU-only machine
+says "several devices": the map ``{0: [0, 1], 1: [2, 3]}`` is recorded, validated
+and honoured (hidden states still cross from "device 0" to "device 1", and the
+timeline shows two lanes), yet every block computes on the CPU. The same notebook
+cell then uses real GPUs on a machine that has them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Sequence, Union
+
+import torch
+
+__all__ = [
+    "DeviceKey",
+    "DeviceMap",
+    "get_device_map",
+    "naive_device_map",
+    "validate_device_map",
+    "resolve_device",
+    "lane_name",
+]
+
+DeviceKey = Union[int, str, torch.device]
+DeviceMap = dict[DeviceKey, list[int]]
+
+
+def _check_devices(devices: Sequence[DeviceKey]) -> list[DeviceKey]:
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices must name at least one device, got devices=[]; e.g. devices=[0, 1]")
+    for d in devices:
+        # bool is an int subclass: True would silently mean device 1
+        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+            raise TypeError(f"each device must be an int, str or torch.device, got {d!r} in devices={devices!r}")
+        if isinstance(d, int) and d < 0:
+            raise ValueError(f"device indices must be >= 0, got {d} in devices={devices!r}")
+    keys: list[Hashable] = [str(d) if isinstance(d, torch.device) else d for d in devices]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"devices must be distinct, got devices={devices!r}")
+    return devices
+
+
+def _check_n_layers(n_layers: int) -> None:
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be an int >= 1, got n_layers={n_layers!r}")
+
+
+def get_device_map(n_layers: int, devices: Sequence[DeviceKey]) -> DeviceMap:
+    """Split ``n_layers`` layers into contiguous, balanced blocks, one per device.
+
+    Block sizes differ by at most one and the earlier devices take the remainder,
+    so every device gets work whenever ``n_layers >= len(devices)``. With fewer
+    layers than devices, the last devices get an empty list (they stay idle).
+
+    Args:
+        n_layers: number of transformer blocks (``config.n_layer``), at least 1.
+        devices: the device keys in pipeline order (ints, strings or ``torch.device``).
+
+    Returns:
+        ``{device: [layer indices]}`` with every device as a key, in the given order.
+
+    Raises:
+        ValueError: ``n_layers < 1``, no devices, negative or duplicate devices.
+        TypeError: a device key that is not an int, str or ``torch.device``.
+
+    Example:
+        >>> get_device_map(12, [0, 1, 2, 3, 4])
+        {0: [0, 1, 2], 1: [3, 4, 5], 2: [6, 7], 3: [8, 9], 4: [10, 11]}
+    """
+    _check_n_layers(n_layers)
+    devices = _check_devices(devices)
+    base, extra = divmod(n_layers, len(devices))
+    device_map: DeviceMap = {}
+    start = 0
+    for i, device in enumerate(devices):
+        size = base + (1 if i < extra else 0)
+        device_map[device] = list(range(start, start + size))
+        start += size
+    return device_map
+
+
+def naive_device_map(n_layers: int, devices: Sequence[DeviceKey]) -> DeviceMap:
+    """The classic recipe: blocks of ``ceil(n_layers / n_devices)`` layers.
+
+    Kept for understanding, beside :func:`get_device_map`: the old transformers
+    ``get_device_map`` cut the layer list into chunks of this fixed size and zipped
+    them with the devices. When the division is not exact, the last block is short
+    and trailing devices get nothing: 12 layers on 5 devices gives 3+3+3+3+0, so one
+    device of five sits idle while four carry 3 layers each. Devices left without
+    a block appear here with an empty list (the original silently dropped them).
+
+    Args and Raises: as for :func:`get_device_map`.
+    """
+    _check_n_layers(n_layers)
+    devices = _check_devices(devices)
+    block = math.ceil(n_layers / len(devices))
+    return {d: list(range(i * block, min((i + 1) * block, n_layers))) for i, d in enumerate(devices)}
+
+
+def validate_device_map(device_map: DeviceMap, n_layers: int) -> None:
+    """Check that a map places layers ``0..n_layers-1`` once each, in contiguous order.
+
+    Contiguous means: reading the devices in the map's order and each device's
+    list in order gives exactly ``0, 1, ..., n_layers - 1``; a hidden state then
+    visits every device at most once on its way through the model.
+
+    Raises:
+        ValueError: a missing, repeated or out-of-order layer, or no devices.
+        TypeError: a key that is not a device key.
+    """
+    _check_n_layers(n_layers)
+    if not isinstance(device_map, dict):
+        raise TypeError(f"device_map must be a dict {{device: [layers]}}, got {type(device_map).__name__}")
+    _check_devices(list(device_map))
+    order = [layer for layers in device_map.values() for layer in layers]
+    if order != list(range(n_layers)):
+        raise ValueError(f"device_map must list layers 0..{n_layers - 1} once each, contiguous and in order "
+                         f"of the devices, got device_map={device_map!r}; get_device_map({n_layers}, devices) "
+                         "builds one")
+
+
+def resolve_device(key: DeviceKey) -> torch.device:
+    """The ``torch.device`` a map key's layers run on.
+
+    An int ``k`` means "the k-th accelerator": ``cuda:k`` when that GPU exists,
+    otherwise ``cpu`` (so a CPU-only machine can still run a several-device map).
+    A string or ``torch.device`` is used as given.
+
+    Raises:
+        TypeError: a key that is not an int, str or ``torch.device``.
+    """
+    _check_devices([key])
+    if isinstance(key, int):
+        return torch.device("cuda", key) if key < torch.cuda.device_count() else torch.device("cpu")
+    return torch.device(key)
+
+
+def lane_name(key: DeviceKey) -> str:
+    """Timeline lane of a map key: ``"device k"`` for an int, else the device string.
+
+    Lanes are named by the *key*, not the resolved device, so two int keys that
+    both run on the CPU still get two lanes.
+    """
+    return f"device {key}" if isinstance(key, int) else str(key)

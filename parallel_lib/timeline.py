@@ -1,0 +1,163 @@
+"""Timelines: who computed what, when — one event format for every chapter.
+
+Model parallelism (ch. 03), the pipeline executor and its simulator (ch. 04) and
+data-parallel ranks all describe their work as a list of :class:`Event`. One plot
+function (:func:`parallel_lib.viz.timeline.plot_timeline`) draws any of them, so a
+measured run and a simulated schedule can be put side by side and compared by eye,
+and the numbers read off a timeline (overlap, idle "bubble") are computed the same
+way for both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional
+
+__all__ = ["Event", "TimelineRecorder", "lanes", "makespan", "busy_time", "max_concurrency", "idle_fraction"]
+
+KINDS = ("forward", "backward", "comm")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of work on one lane.
+
+    Attributes:
+        lane: where the work ran: a device ("cuda:1"), a stage ("stage 0") or a rank ("rank 1").
+        kind: "forward", "backward" or "comm".
+        micro_batch: index of the micro-batch (pipeline) or step; None when not applicable.
+        start: seconds since the recorder's zero.
+        end: seconds since the recorder's zero, ``end >= start``.
+        label: optional text drawn on the bar (e.g. the block's name).
+    """
+
+    lane: str
+    kind: str
+    micro_batch: Optional[int]
+    start: float
+    end: float
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got kind={self.kind!r}")
+        if self.end < self.start:
+            raise ValueError(f"end must not precede start, got start={self.start} end={self.end}")
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class TimelineRecorder:
+    """Collects :class:`Event` objects from any number of threads.
+
+    Times come from ``time.perf_counter`` relative to the moment the recorder was
+    made (or last :meth:`reset`). ``synchronize`` is called before each time stamp:
+    CUDA kernels run asynchronously, so without ``torch.cuda.synchronize`` a GPU
+    timeline would show when work was queued, not when it ran.
+    """
+
+    def __init__(self, synchronize: Optional[Callable[[], None]] = None) -> None:
+        self._synchronize = synchronize
+        self._lock = threading.Lock()
+        self.events: list[Event] = []
+        self._zero = time.perf_counter()
+
+    def reset(self) -> None:
+        """Forget recorded events and restart the clock at zero."""
+        with self._lock:
+            self.events = []
+            self._zero = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since zero, after synchronising the device if one was given."""
+        if self._synchronize is not None:
+            self._synchronize()
+        return time.perf_counter() - self._zero
+
+    def add(self, lane: str, kind: str, micro_batch: Optional[int], start: float, end: float, label: str = "") -> Event:
+        """Append an event measured elsewhere (thread-safe) and return it."""
+        event = Event(lane, kind, micro_batch, start, end, label)
+        with self._lock:
+            self.events.append(event)
+        return event
+
+    @contextmanager
+    def record(self, lane: str, kind: str, micro_batch: Optional[int] = None, label: str = "") -> Iterator[None]:
+        """Time the body of a ``with`` block as one event, also when it raises."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(lane, kind, micro_batch, start, self.now(), label)
+
+
+def lanes(events: Iterable[Event]) -> list[str]:
+    """Lanes in order of first appearance."""
+    return list(dict.fromkeys(e.lane for e in events))
+
+
+def makespan(events: Iterable[Event]) -> float:
+    """Time from the first start to the last end (0 for no events)."""
+    events = list(events)
+    if not events:
+        return 0.0
+    return max(e.end for e in events) - min(e.start for e in events)
+
+
+def busy_time(events: Iterable[Event], lane: str) -> float:
+    """Seconds during which ``lane`` was busy (overlapping events on one lane count once)."""
+    intervals = sorted((e.start, e.end) for e in events if e.lane == lane)
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in intervals:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start  # type: ignore[operator]
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start  # type: ignore[operator]
+    return total
+
+
+def max_concurrency(events: Iterable[Event], tolerance: float = 0.0) -> int:
+    """Largest number of distinct lanes busy at the same instant.
+
+    Args:
+        tolerance: seconds trimmed from each end of every event before comparing, so
+            that the hand-over between two lanes (one ends as the next starts, with
+            clock jitter) is not counted as overlap.
+    """
+    points: list[tuple[float, int, str]] = []
+    for e in events:
+        start, end = e.start + tolerance, e.end - tolerance
+        if end > start:
+            points += [(start, 1, e.lane), (end, -1, e.lane)]
+    points.sort(key=lambda p: (p[0], p[1]))  # ends before starts at equal times
+    active: dict[str, int] = {}
+    best = 0
+    for _, delta, lane in points:
+        active[lane] = active.get(lane, 0) + delta
+        if active[lane] == 0:
+            del active[lane]
+        best = max(best, len(active))
+    return best
+
+
+def idle_fraction(events: Iterable[Event]) -> float:
+    """Share of lane-time spent idle over the whole run: the measured "bubble".
+
+    ``1 - sum(busy per lane) / (number of lanes * makespan)``; for an ideal GPipe
+    schedule with equal stage costs this equals ``(p - 1) / (m + p - 1)``.
+    """
+    events = list(events)
+    span = makespan(events)
+    names = lanes(events)
+    if span == 0 or not names:
+        return 0.0
+    return 1.0 - sum(busy_time(events, lane) for lane in names) / (len(names) * span)

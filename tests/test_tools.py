@@ -1,0 +1,51 @@
+"""The library's plumbing: benchmark dispatch, figure collection, notebook storage."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import store_notebook  # noqa: E402
+
+
+def test_bench_dispatch_lists_and_rejects():
+    out = subprocess.run([sys.executable, "-m", "parallel_lib.bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "parallel_lib.bench", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown benchmark 'nope'" in bad.stderr
+
+
+def make_notebook():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {"state": {}}
+    checked = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(1)", execution_count=3,
+                                        outputs=[nbformat.v4.new_output("stream", text="1\n")])
+    timing = nbformat.v4.new_code_cell("print(time.time())", execution_count=4,
+                                       outputs=[nbformat.v4.new_output("stream", text="17\n")])
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), checked, timing]
+    return nb
+
+
+def test_clean_keeps_only_checked_outputs():
+    nb = make_notebook()
+    assert len(store_notebook.problems(nb)) == 3  # widget state and two execution counts ...
+    store_notebook.clean(nb)
+    assert store_notebook.problems(nb) == []
+    assert nb.cells[1].outputs[0]["text"] == "1\n" and nb.cells[2].outputs == []
+    assert "widgets" not in nb.metadata
+
+
+def test_a_marked_cell_without_output_is_reported():
+    nb = make_notebook()
+    store_notebook.clean(nb)
+    nb.cells[1].outputs = []
+    assert any("stores no output" in p for p in store_notebook.problems(nb))
+
+
+def test_every_stored_notebook_is_clean():
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert store_notebook.problems(nbformat.read(path, as_version=4)) == [], path.name
