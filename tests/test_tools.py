@@ -32,7 +32,8 @@ def make_notebook():
 
 def test_clean_keeps_only_checked_outputs():
     nb = make_notebook()
-    assert len(store_notebook.problems(nb)) == 3  # widget state and two execution counts ...
+    # widget state, two execution counts and an unmarked output
+    assert len(store_notebook.problems(nb)) == 4
     store_notebook.clean(nb)
     assert store_notebook.problems(nb) == []
     assert nb.cells[1].outputs[0]["text"] == "1\n" and nb.cells[2].outputs == []
