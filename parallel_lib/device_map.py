@@ -15,10 +15,14 @@ says "several devices": the map ``{0: [0, 1], 1: [2, 3]}`` is recorded, validate
 and honoured (hidden states still cross from "device 0" to "device 1", and the
 timeline shows two lanes), yet every block computes on the CPU. The same notebook
 cell then uses real GPUs on a machine that has them.
+
+:func:`balance_by_cost` chooses the cut from measured per-layer costs; placing a
+model according to a map is :mod:`parallel_lib.model_parallel`'s job.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Hashable, Sequence, Union
 
@@ -32,6 +36,8 @@ __all__ = [
     "validate_device_map",
     "resolve_device",
     "lane_name",
+    "balance_by_cost",
+    "format_device_map",
 ]
 
 DeviceKey = Union[int, str, torch.device]
@@ -84,13 +90,13 @@ def get_device_map(n_layers: int, devices: Sequence[DeviceKey]) -> DeviceMap:
     _check_n_layers(n_layers)
     devices = _check_devices(devices)
     base, extra = divmod(n_layers, len(devices))
-    device_map: DeviceMap = {}
-    start = 0
-    for i, device in enumerate(devices):
-        size = base + (1 if i < extra else 0)
-        device_map[device] = list(range(start, start + size))
-        start += size
-    return device_map
+    return _from_sizes(devices, [base + (1 if i < extra else 0) for i in range(len(devices))])
+
+
+def _from_sizes(devices: Sequence[DeviceKey], sizes: Sequence[int]) -> DeviceMap:
+    """``{device: [layers]}`` taking ``sizes[i]`` consecutive layers for ``devices[i]``."""
+    ends = list(itertools.accumulate(sizes))
+    return {d: list(range(end - size, end)) for d, size, end in zip(devices, sizes, ends)}
 
 
 def naive_device_map(n_layers: int, devices: Sequence[DeviceKey]) -> DeviceMap:
@@ -156,3 +162,94 @@ def lane_name(key: DeviceKey) -> str:
     both run on the CPU still get two lanes.
     """
     return f"device {key}" if isinstance(key, int) else str(key)
+
+
+# --------------------------------------------------------------------------- balancing
+#
+# torchgpipe's ``balance`` package showed the recipe: measure a cost per layer
+# (parameter bytes or profiled time), then cut the layer sequence into contiguous
+# blocks so that the most loaded device carries as little as possible (it uses the
+# block-partition algorithm of Bárány and Grinberg). Here the cut is an exact
+# dynamic programme: the sequences are short (tens of layers), so O(k n^2) is instant
+# and there is no approximation to explain.
+
+
+def _min_max_sizes(costs: list[float], k: int, first: float, last: float) -> list[int]:
+    """Sizes of k contiguous non-empty parts of ``costs`` (k <= len) minimising the largest load.
+
+    ``first`` and ``last`` are pinned costs added to part 0 and part k-1 (GPT-2's
+    embeddings and final layer norm). [1] finds the smallest achievable maximum load;
+    [2] picks, among splits within that bound, the most even one (least sum of squared
+    loads), ties giving the earlier parts more layers, so equal costs reproduce
+    :func:`get_device_map`.
+    """
+    n = len(costs)
+    prefix = [0.0, *itertools.accumulate(costs)]
+
+    def load(j: int, a: int, b: int) -> float:  # part j holds items a .. b-1
+        return prefix[b] - prefix[a] + (first if j == 0 else 0.0) + (last if j == k - 1 else 0.0)
+
+    # [1] worst[j][i]: the smallest possible maximum load with items 0..i-1 in parts 0..j
+    worst = [[math.inf] * (n + 1) for _ in range(k)]
+    worst[0][1:] = [load(0, 0, i) for i in range(1, n + 1)]
+    for j in range(1, k):
+        for i in range(j + 1, n + 1):
+            worst[j][i] = min(max(worst[j - 1][a], load(j, a, i)) for a in range(j, i))
+    bound = worst[k - 1][n] * (1 + 1e-9) + 1e-12  # float slack: sums in another order differ in the last bit
+    # [2] spread[j][i]: least sum of squared loads with every load <= bound; cut[j][i]: where part j starts
+    spread = [[math.inf] * (n + 1) for _ in range(k)]
+    cut = [[0] * (n + 1) for _ in range(k)]
+    spread[0][1:] = [load(0, 0, i) ** 2 if load(0, 0, i) <= bound else math.inf for i in range(1, n + 1)]
+    for j in range(1, k):
+        for i in range(j + 1, n + 1):
+            for a in range(i - 1, j - 1, -1):  # descending: on ties the later part stays the shorter one
+                part = load(j, a, i)
+                if part <= bound and spread[j - 1][a] + part * part < spread[j][i]:
+                    spread[j][i], cut[j][i] = spread[j - 1][a] + part * part, a
+    sizes, end = [], n
+    for j in range(k - 1, 0, -1):
+        sizes.append(end - cut[j][end])
+        end = cut[j][end]
+    return [end, *reversed(sizes)]
+
+
+def balance_by_cost(costs: Sequence[float], devices: Sequence[DeviceKey],
+                    first_cost: float = 0.0, last_cost: float = 0.0) -> DeviceMap:
+    """Contiguous device map whose most loaded device carries the least total cost.
+
+    Args:
+        costs: one non-negative cost per layer (bytes, seconds, ...).
+        devices: device keys in pipeline order.
+        first_cost: cost that always sits on the first device (e.g. the embeddings).
+        last_cost: cost that always sits with the last layer (e.g. the final layer norm).
+
+    Returns:
+        ``{device: [layers]}``; every device gets at least one layer when there are
+        enough layers, and equal costs give exactly :func:`get_device_map`.
+
+    Raises:
+        ValueError: no costs, or a negative or non-finite cost; bad devices as in
+            :func:`get_device_map`.
+    """
+    values = [float(c) for c in costs]
+    if not values:
+        raise ValueError("costs must hold one cost per layer, got costs=[]")
+    if not all(math.isfinite(c) and c >= 0 for c in [*values, first_cost, last_cost]):
+        raise ValueError(f"costs must be finite and >= 0, got costs={values!r}, "
+                         f"first_cost={first_cost!r}, last_cost={last_cost!r}")
+    devices = _check_devices(devices)
+    k = min(len(devices), len(values))
+    return _from_sizes(devices, _min_max_sizes(values, k, first_cost, last_cost) + [0] * (len(devices) - k))
+
+
+def format_device_map(device_map: DeviceMap, resolve: bool = True) -> str:
+    """A fixed-width table: key, the device it resolves to here (if ``resolve``), its layers, their count.
+
+    Pass ``resolve=False`` for output that must not depend on the machine's GPUs.
+    """
+    lines = [f"{'key':>8}  " + (f"{'runs on':>8}  " if resolve else "") + f"{'layers':<10} {'count':>5}"]
+    for key, layers in device_map.items():
+        span = "(idle)" if not layers else f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        where = f"{resolve_device(key)!s:>8}  " if resolve else ""
+        lines.append(f"{key!s:>8}  {where}{span:<10} {len(layers):>5}")
+    return "\n".join(lines)
