@@ -1,0 +1,67 @@
+"""Classroom exercises with self-checks, 2-3 per chapter notebook.
+
+Each exercise is a stub cell the student fills in and a check cell that calls a
+checker from here on the student's answer, for example::
+
+    def _clock_cycles(num_batches, num_partitions):
+        ...  # your code here
+
+    from parallel_lib.exercises import check_clock_cycles
+    check_clock_cycles(_clock_cycles)   # shows "✅ clock_cycles: passed 7 cases" or what is wrong
+
+Checkers compare against the library's own functions (``get_device_map``,
+``_clock_cycles``, ``training_memory``, ...), never raise on a wrong answer and show
+the first failing case, expected vs got, and a hint. ``EXERCISES`` lists every
+exercise by chapter (name, checker, stub source, reference solution), so the notebooks'
+exercise cells and the tests are generated from one place; ``solutions`` holds the
+reference answers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._core import CheckResult, Exercise
+
+# Checkers are imported on first use (PEP 562): chapter 02's checker runs in spawned ranks,
+# which import this package, and should not pay for chapter 03's transformers import there.
+_CHECKERS = {
+    "check_rank_slice": "ch00", "check_all_reduce_prediction": "ch00",
+    "check_partition_indices": "ch01", "check_local_batch_size": "ch01", "check_steps_per_epoch": "ch01",
+    "check_average_gradients": "ch02", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
+    "check_balanced_device_map": "ch03", "check_training_bytes": "ch03",
+    "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
+    "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05",
+}
+CHAPTERS = ("00", "01", "02", "03", "04", "05")
+
+__all__ = ["CheckResult", "Exercise", "EXERCISES", "CHAPTERS", "exercise", *_CHECKERS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CHECKERS:
+        return getattr(importlib.import_module(f".{_CHECKERS[name]}", __name__), name)
+    if name == "EXERCISES":
+        # chapter (the notebook's number) -> its exercises, in the order they appear in the notebook
+        return {chapter: importlib.import_module(f".ch{chapter}", __name__).EXERCISES for chapter in CHAPTERS}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def exercise(name: str) -> Exercise:
+    """The exercise called ``name`` in any chapter.
+
+    Raises:
+        ValueError: no exercise has that name; the message lists them.
+    """
+    registry = __getattr__("EXERCISES")
+    for exercises in registry.values():
+        for item in exercises:
+            if item.name == name:
+                return item
+    names = [item.name for exercises in registry.values() for item in exercises]
+    raise ValueError(f"no exercise is called {name!r}; the exercises are {names}")

@@ -1,0 +1,125 @@
+"""Exercises for chapter 04: GPipe's clock cycles, the bubble, and one stage's 1F1B order."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any, Optional
+
+from ..pipeline.schedule import Action, _clock_cycles, bubble_fraction, gpipe, one_f_one_b
+from . import solutions
+from ._core import Case, CheckResult, Exercise, as_int, as_number, check_function, same_number, show
+
+__all__ = ["check_clock_cycles", "check_pipeline_bubble", "check_one_f_one_b_order", "EXERCISES"]
+
+CLOCK_CYCLES_STUB = '''\
+def _clock_cycles(num_batches, num_partitions):
+    """Yield, for each clock tick k, the list of (micro_batch i, partition j) pairs that run at tick k
+    in GPipe's forward pass (micro-batch i reaches partition j at tick i + j)."""
+    ...  # your code here
+'''
+
+BUBBLE_STUB = '''\
+def pipeline_bubble(p, m):
+    """Share of time each of `p` stages sits idle in a GPipe step of `m` micro-batches
+    (every stage takes the same time for a micro-batch)."""
+    ...  # your code here
+'''
+
+ONE_F_ONE_B_STUB = '''\
+def one_f_one_b_order(stage, num_stages, num_micro_batches):
+    """The order in which `stage` runs its work in a 1F1B schedule, as strings like "F0" and "B0".
+
+    Warm-up: min(num_stages - 1 - stage, num_micro_batches) forwards; then, while forwards
+    remain, one forward followed by one backward; then the remaining backwards.
+    Micro-batches are numbered from 0 and run in order within each kind.
+    """
+    ...  # your code here
+'''
+
+_CLOCK_SHAPES = [(1, 1), (3, 3), (4, 2), (2, 4), (1, 3), (3, 1), (5, 3)]
+
+
+def _as_ticks(value: Any) -> list[list[tuple[int, int]]]:
+    try:  # a generator has already been turned into a list by check_function
+        return [sorted((as_int(i), as_int(j)) for i, j in tick) for tick in value]
+    except (TypeError, ValueError):
+        raise TypeError("an iterable of ticks, each a list of (micro_batch, partition) pairs") from None
+
+
+def _compare_ticks(expected: list[list[tuple[int, int]]], got: list[list[tuple[int, int]]]) -> Optional[str]:
+    for k, (want, have) in enumerate(zip(expected, got)):
+        if want != have:
+            return f"tick {k}: expected {want}, got {have} (pairs within a tick may come in any order)"
+    if len(got) != len(expected):
+        return f"expected m + n - 1 = {len(expected)} tick(s), got {len(got)}: {show(got, 200)}"
+    return None
+
+
+def check_clock_cycles(fn: Any) -> CheckResult:
+    """Check ``_clock_cycles(num_batches, num_partitions)`` against the library's own ``_clock_cycles``."""
+    cases = [Case(shape, [sorted(tick) for tick in _clock_cycles(*shape)]) for shape in _CLOCK_SHAPES]
+    return check_function("clock_cycles", fn, "_clock_cycles", cases, normalise=_as_ticks, compare=_compare_ticks,
+                          hint=lambda args, got: "micro-batch i reaches partition j at tick k = i + j; "
+                                                 "the pipeline fills for n - 1 ticks and drains for n - 1")
+
+
+def _bubble_hint(args: tuple, got: Any) -> str:
+    p, m = args
+    if isinstance(got, float) and abs(got - (p - 1) / m) < 1e-9:
+        return ("(p - 1) / m is the approximation for m >> p; the step takes m + p - 1 ticks, "
+                "of which each stage is idle for p - 1")
+    return "count ticks: the step lasts m + p - 1 ticks and each stage works during m of them"
+
+
+def check_pipeline_bubble(fn: Any) -> CheckResult:
+    """Check ``pipeline_bubble(p, m)`` against ``parallel_lib.pipeline.bubble_fraction``."""
+    shapes = [(4, 8), (2, 4), (1, 5), (4, 1), (8, 32), (3, 3)]
+    cases = [Case(shape, bubble_fraction(*shape)) for shape in shapes]
+    return check_function("pipeline_bubble", fn, "pipeline_bubble", cases, normalise=as_number,
+                          compare=same_number, hint=_bubble_hint)
+
+
+_ACTION = re.compile(r"^([FB])(\d+)$")
+
+
+def _as_action(item: Any) -> str:
+    if isinstance(item, Action):
+        return str(item)
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        item = f"{item[0]}{item[1]}"
+    if isinstance(item, str) and _ACTION.match(item.strip().upper()):
+        return item.strip().upper()
+    raise TypeError('a list of strings like "F0" (forward of micro-batch 0) and "B0" (its backward)')
+
+
+def _as_order(value: Any) -> list[str]:
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        raise TypeError('a list of strings like "F0" and "B0"')
+    return [_as_action(item) for item in value]
+
+
+def _order_hint(args: tuple, got: Any) -> str:
+    stage, p, m = args
+    if got == [str(a) for a in gpipe(p, m).stages[stage]]:
+        return "that is GPipe's order (all forwards, then all backwards); 1F1B starts backwards early"
+    forwards_first = len(list(itertools.takewhile(lambda a: a.startswith("F"), got)))
+    expected = min(p - stage, m)
+    if forwards_first != expected:
+        return (f"stage {stage} runs min(p - 1 - stage, m) = {min(p - 1 - stage, m)} warm-up forwards, then "
+                f"one more forward before its first backward: {expected} forwards first, not {forwards_first}")
+    return "after the warm-up, alternate: one forward, then the backward of the oldest micro-batch"
+
+
+def check_one_f_one_b_order(fn: Any) -> CheckResult:
+    """Check ``one_f_one_b_order(stage, num_stages, num_micro_batches)`` against ``one_f_one_b``."""
+    shapes = [(0, 4, 8), (3, 4, 8), (1, 4, 8), (0, 4, 2), (2, 3, 3), (0, 1, 3), (0, 3, 1)]
+    cases = [Case(shape, [str(a) for a in one_f_one_b(shape[1], shape[2]).stages[shape[0]]]) for shape in shapes]
+    return check_function("one_f_one_b_order", fn, "one_f_one_b_order", cases, normalise=_as_order, hint=_order_hint)
+
+
+EXERCISES = [
+    Exercise("clock_cycles", check_clock_cycles, CLOCK_CYCLES_STUB, _clock_cycles),
+    Exercise("pipeline_bubble", check_pipeline_bubble, BUBBLE_STUB, bubble_fraction),
+    Exercise("one_f_one_b_order", check_one_f_one_b_order, ONE_F_ONE_B_STUB, solutions.one_f_one_b_order),
+]

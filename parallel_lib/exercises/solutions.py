@@ -1,0 +1,108 @@
+"""Reference solutions of the classroom exercises, written as a student would write them.
+
+Each function has the signature of its stub cell and uses only Python, ``math`` and
+``torch``, so a teacher can show it as the answer. The checkers do not compare against
+these: they compare against the library's own functions (``ring_chunks``,
+``get_device_map``, ``training_memory``, ...), so the test suite that runs every checker
+on these solutions also checks that two independent writings of each idea agree.
+Where the library function *is* the answer (``average_gradients``, ``_clock_cycles``,
+``pipeline_bubble``), the registry uses it directly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION", "partition_indices", "local_batch_size", "steps_per_epoch",
+           "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "training_bytes", "one_f_one_b_order",
+           "bytes_per_device", "plan_parallelism"]
+
+
+# --------------------------------------------------------------------------- chapter 00
+def rank_slice(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    base, extra = divmod(numel, world_size)  # the first `extra` ranks take one element more
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+# 4 ranks, rank r holds [r + 1, 10 r]: the element-wise sum over ranks, on every rank
+ALL_REDUCE_PREDICTION = [1.0 + 2.0 + 3.0 + 4.0, 0.0 + 10.0 + 20.0 + 30.0]
+
+
+# --------------------------------------------------------------------------- chapter 01
+def partition_indices(n: int, world_size: int, seed: int) -> list[list[int]]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()  # same on every rank
+    base, extra = divmod(n, world_size)
+    sizes = [base + (1 if r < extra else 0) for r in range(world_size)]  # sum(sizes) == n: nobody is dropped
+    starts = [sum(sizes[:r]) for r in range(world_size)]
+    return [order[start:start + size] for start, size in zip(starts, sizes)]
+
+
+def local_batch_size(global_batch_size: int, world_size: int) -> int:
+    if global_batch_size < world_size or global_batch_size % world_size:
+        raise ValueError(f"global_batch_size={global_batch_size} does not split evenly over "
+                         f"world_size={world_size} ranks")
+    return global_batch_size // world_size
+
+
+def steps_per_epoch(n: int, world_size: int, global_batch_size: int, drop_last: bool = False) -> int:
+    per_rank = n // world_size if drop_last else math.ceil(n / world_size)  # padded or trimmed to equal shares
+    return math.ceil(per_rank / local_batch_size(global_batch_size, world_size))
+
+
+# --------------------------------------------------------------------------- chapter 02
+def ring_bytes_sent(nbytes: float, world_size: int) -> float:
+    # 2(N-1) steps (reduce-scatter, then all-gather), one chunk of S/N bytes each
+    return 2 * (world_size - 1) * nbytes / world_size
+
+
+def ring_send_chunk(rank: int, step: int, world_size: int) -> int:
+    if step < world_size - 1:  # reduce-scatter: pass on the chunk received last step
+        return (rank - step) % world_size
+    # all-gather: start with the chunk this rank finished reducing, (rank + 1) % N
+    return (rank + 1 - (step - (world_size - 1))) % world_size
+
+
+# --------------------------------------------------------------------------- chapter 03
+def balanced_device_map(n_layers: int, n_devices: int) -> dict[int, list[int]]:
+    base, extra = divmod(n_layers, n_devices)
+    device_map, first = {}, 0
+    for device in range(n_devices):
+        size = base + (1 if device < extra else 0)
+        device_map[device] = list(range(first, first + size))
+        first += size
+    return device_map
+
+
+def training_bytes(n_params: int, dtype: str = "fp16", optimizer: Optional[str] = "adamw") -> float:
+    width = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    if optimizer is None:  # inference: the weights only
+        return width * n_params
+    master = 4 if width < 4 else 0  # mixed precision updates an fp32 copy of the weights
+    states = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}[optimizer]  # fp32 values per parameter
+    return (width + width + master + 4 * states) * n_params
+
+
+# --------------------------------------------------------------------------- chapter 04
+def one_f_one_b_order(stage: int, num_stages: int, num_micro_batches: int) -> list[str]:
+    warmup = min(num_stages - 1 - stage, num_micro_batches)
+    order = [f"F{i}" for i in range(warmup)]
+    for i in range(num_micro_batches - warmup):  # steady state: one forward in, one backward out
+        order += [f"F{warmup + i}", f"B{i}"]
+    return order + [f"B{i}" for i in range(num_micro_batches - warmup, num_micro_batches)]
+
+
+# --------------------------------------------------------------------------- chapter 05
+def bytes_per_device(n_params: int, pipeline_stages: int, data_replicas: int) -> float:
+    # every replica holds the whole model; a replica's stages share it (16 bytes/param, fp16 Adam)
+    return 16 * n_params / pipeline_stages
+
+
+def plan_parallelism(n_params: int, gpu_bytes: float, n_gpus: int) -> Optional[tuple[int, int]]:
+    stages = max(1, math.ceil(16 * n_params / gpu_bytes))  # fewest GPUs that hold one copy
+    if stages > n_gpus:
+        return None
+    return stages, n_gpus // stages
