@@ -1,0 +1,154 @@
+"""Data-parallel benchmark: ``python -m parallel_lib.bench dp [--quick]``.
+
+Trains GPT-2 (tiny on CPU, the 124M shape on GPUs) with a fixed batch per rank and
+compares, in one launch of ``world_size`` ranks:
+
+- **1 rank**: rank 0 trains alone while the others wait at a barrier: the baseline;
+- **ceiling**: every rank trains with sync ``none``: the same compute with no
+  communication, the most this machine can give (cores, memory bandwidth);
+- each gradient-sync method: ``naive`` (one all-reduce per parameter), ``bucketed``
+  (25 MB buckets launched from gradient hooks during backward), ``ring`` (buckets
+  through the hand-written ring) and PyTorch's ``ddp``.
+
+Every step processes the same shape (rows padded to ``max_length``), so tokens/s
+here counts processed positions, ``world_size x per_rank_batch x max_length`` per
+step over the slowest rank's step time. Variants alternate repeat by repeat, warm-up
+steps are dropped, and medians are kept (over steps, then repeats), so that load from
+other programs spreads over all variants alike. Each rank uses one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..dist import launch, machine_label
+from ..dp import SYNC_METHODS, DPConfig, run_dp, train_replica
+
+__all__ = ["Config", "QUICK", "Results", "measure", "markdown", "main"]
+
+SOLO, CEILING = "1 rank", "none"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The work per rank and how often it is timed."""
+
+    world_size: int = 2
+    model: Optional[str] = None    # None: "tiny" on CPU, "gpt2" on GPUs
+    per_rank_batch: int = 16       # rows per rank and step: fixed, so every variant does equal work per rank
+    max_length: int = 64           # positions per row (all rows padded to it)
+    steps: int = 25                # per variant and repeat
+    warmup: int = 5                # first steps left out (allocator, caches, first buckets)
+    repeats: int = 3
+    train_examples: int = 2048
+    vocab_size: int = 2048
+    methods: tuple[str, ...] = ("naive", "bucketed", "ring", "ddp")
+
+
+QUICK = Config(per_rank_batch=2, max_length=16, steps=3, warmup=1, repeats=1, train_examples=64, vocab_size=300)
+
+
+@dataclass
+class Results:
+    """Median seconds per step of each variant (``SOLO``, ``CEILING`` and the methods)."""
+
+    config: Config
+    machine: str
+    model: str
+    device: str
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+    def ranks(self, variant: str) -> int:
+        return 1 if variant == SOLO else self.config.world_size
+
+    def tokens_per_sec(self, variant: str) -> float:
+        c = self.config
+        return self.ranks(variant) * c.per_rank_batch * c.max_length / self.step_seconds[variant]
+
+    def speedup(self, variant: str) -> float:
+        """Tokens/s over one rank's."""
+        return self.tokens_per_sec(variant) / self.tokens_per_sec(SOLO)
+
+    def of_ceiling(self, variant: str) -> float:
+        return self.tokens_per_sec(variant) / self.tokens_per_sec(CEILING)
+
+
+def _dp_config(config: Config, world_size: int, sync: str) -> DPConfig:
+    return DPConfig(sync=sync, model=config.model, batch_size=config.per_rank_batch * world_size,
+                    max_steps=config.steps, train_examples=config.train_examples, val_examples=8,
+                    vocab_size=config.vocab_size, max_length=config.max_length, pad_to_max_length=True)
+
+
+def _worker(rank: int, world_size: int, config: Config) -> tuple[dict[str, list[float]], str, str]:
+    """Rank 0's per-repeat median step seconds of every variant, the model and device names."""
+    def median_step(step_times: list[float]) -> float:
+        return statistics.median(step_times[config.warmup:])
+
+    seconds: dict[str, list[float]] = {}
+    for _ in range(config.repeats):
+        if rank == 0:  # the baseline: one rank alone, no messages; the others wait
+            solo = train_replica(0, 1, _dp_config(config, 1, "none"))
+            seconds.setdefault(SOLO, []).append(median_step(solo.local.step_times))
+        dist.barrier()
+        for sync in (CEILING,) + config.methods:
+            result = run_dp(rank, world_size, _dp_config(config, world_size, sync))
+            seconds.setdefault(sync, []).append(median_step(result.record.step_times))  # slowest rank's
+    return seconds, result.model, result.device
+
+
+def measure(config: Config = Config(), timeout: float = 1800.0) -> Results:
+    """Launch ``config.world_size`` ranks with one thread each and time every variant."""
+    unknown = [m for m in config.methods if m not in SYNC_METHODS or m == CEILING]
+    if unknown or config.world_size < 2 or config.steps <= config.warmup:
+        raise ValueError(f"need methods from {SYNC_METHODS[1:]}, world_size >= 2 and steps > warmup, got "
+                         f"methods={config.methods}, world_size={config.world_size}, steps={config.steps}, "
+                         f"warmup={config.warmup}")
+    seconds, model, device = launch(_worker, config.world_size, config, timeout=timeout, threads_per_rank=1)[0]
+    return Results(config, machine_label(), model, device,
+                   {variant: statistics.median(values) for variant, values in seconds.items()})
+
+
+def markdown(results: Results) -> str:
+    """The pasteable table, headed by the machine, with the targets of the course."""
+    c, n = results.config, results.config.world_size
+    lines = [f"Data-parallel GPT-2 ({results.model}) on {results.machine}, {results.device} ranks, "
+             f"{c.per_rank_batch} rows x {c.max_length} positions per rank and step, median of {c.repeats} "
+             f"repeats x {c.steps - c.warmup} steps.", "",
+             "| variant | ranks | ms / step | tokens/s | × 1 rank | scaling efficiency | × ceiling |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    names = {SOLO: "1 rank (baseline)", CEILING: f"{n} ranks, no sync (ceiling)"}
+    for variant in (SOLO, CEILING) + c.methods:
+        k = results.ranks(variant)
+        lines.append(f"| {names.get(variant, variant)} | {k} | {results.step_seconds[variant] * 1e3:.1f} | "
+                     f"{results.tokens_per_sec(variant):,.0f} | {results.speedup(variant):.2f}× | "
+                     f"{results.speedup(variant) / k:.0%} | {results.of_ceiling(variant):.2f}× |")
+    if "bucketed" in c.methods:
+        line = (f"bucketed: {results.speedup('bucketed'):.2f}× one rank (target >= 1.7× at 2 ranks), "
+                f"{results.of_ceiling('bucketed'):.2f}× the ceiling (target >= 0.9×)")
+        if "ddp" in c.methods:
+            ratio = results.tokens_per_sec("bucketed") / results.tokens_per_sec("ddp")
+            line += f", {ratio:.2f}× DDP (target within 5%)"
+        lines += ["", line + "."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench dp", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny batches, a few steps, 1 repeat: a smoke run")
+    parser.add_argument("--world-size", type=int, help="ranks (default 2)")
+    parser.add_argument("--repeats", type=int, help="repeats per variant (median is reported)")
+    parser.add_argument("--model", help="GPT-2 size (default: tiny on CPU, gpt2 on GPUs)")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else Config()
+    for name in ("world_size", "repeats", "model"):
+        if getattr(args, name) is not None:
+            config = replace(config, **{name: getattr(args, name)})
+    if config.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {config.repeats}")
+    print(markdown(measure(config)))
+    return 0

@@ -1,0 +1,43 @@
+"""Smoke test of ``python -m parallel_lib.bench dp``: it runs, and its table says what it measured.
+
+The performance targets are the benchmark's business, not a test's: timings on a
+shared CI machine are too noisy to assert.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel_lib.bench.__main__ import main as bench_dispatch
+from parallel_lib.bench.dp import QUICK, Config, Results, markdown, measure
+from parallel_lib.dist import machine_label
+
+
+def test_table_from_known_step_times():
+    config = Config(world_size=2, per_rank_batch=4, max_length=10, repeats=1)
+    results = Results(config, "test machine", "tiny", "cpu",
+                      {"1 rank": 0.010, "none": 0.0105, "naive": 0.020, "bucketed": 0.011, "ring": 0.012, "ddp": 0.011})
+    table = markdown(results)
+    assert "tiny) on test machine" in table
+    assert "| 1 rank (baseline) | 1 | 10.0 | 4,000 | 1.00× | 100% | 0.53× |" in table
+    assert "| 2 ranks, no sync (ceiling) | 2 | 10.5 | 7,619 | 1.90× | 95% | 1.00× |" in table
+    assert "| bucketed | 2 | 11.0 | 7,273 | 1.82× | 91% | 0.95× |" in table
+    assert "bucketed: 1.82× one rank" in table and "1.00× DDP" in table
+
+
+@pytest.mark.parametrize("change", [dict(world_size=1), dict(methods=("bucketed", "allgather")), dict(steps=1)])
+def test_bad_configs_are_rejected(change):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="world_size >= 2 and steps > warmup"):
+        measure(replace(QUICK, **change))
+
+
+def test_quick_run_through_the_bench_command(capsys):
+    assert bench_dispatch(["dp", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert machine_label() in out
+    for row in ("| 1 rank (baseline) | 1 |", "| 2 ranks, no sync (ceiling) | 2 |", "| naive | 2 |",
+                "| bucketed | 2 |", "| ring | 2 |", "| ddp | 2 |"):
+        assert row in out
+    assert "bucketed:" in out and "× DDP" in out

@@ -1,0 +1,132 @@
+"""Tests for parallel_lib.dp: data-parallel training equals one process on the global batch.
+
+One launch per world size runs every sync method in turn (ranks cost seconds to
+start, a three-step run of the tiny model a fraction of one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallel_lib.dist import launch
+from parallel_lib.dp import DPConfig, main, run_dp, run_dp_many, single_process_reference, summarize
+
+# SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would hide a
+# wrong loss normalisation; 0.05 MB buckets: several buckets for the tiny model
+SMALL = DPConfig(model="tiny", batch_size=6, max_steps=3, train_examples=90, val_examples=16, vocab_size=300,
+                 optimizer="sgd", lr=0.5, return_state=True, bucket_cap_mb=0.05)
+SYNCED = ("naive", "bucketed", "ring", "ddp")
+
+
+def _assert_states_close(actual: dict, expected: dict, what: str) -> None:
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{what}: {name}")
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def launched(request):
+    """(world_size, config, {sync: [DPResult per rank]}) for every sync method, one launch."""
+    world_size = request.param
+    # 3 ranks: two epochs, so that set_epoch's reshuffle is part of the comparison too
+    config = SMALL if world_size == 2 else replace(SMALL, epochs=2, max_steps=2)
+    configs = {sync: replace(config, sync=sync) for sync in SYNCED + ("none",)}
+    # and one traced run: forward/backward/comm events of the first step, with small buckets
+    configs["traced"] = replace(config, sync="bucketed", timeline_steps=1, bucket_cap_mb=0.02, return_state=False)
+    results = launch(run_dp_many, world_size, list(configs.values()), timeout=240)
+    return world_size, config, {name: [r[i] for r in results] for i, name in enumerate(configs)}
+
+
+def test_data_parallel_equals_single_process_on_the_global_batch(launched):
+    world_size, config, by_sync = launched
+    record, expected = single_process_reference(world_size, config)
+    for sync in SYNCED:
+        results = by_sync[sync]
+        for result in results:
+            _assert_states_close(result.state, expected, f"{sync}, rank {result.rank} of {world_size}")
+        assert len({r.checksum for r in results}) == 1, f"{sync}: ranks differ"
+        job = results[0].record
+        assert job.tokens == record.tokens  # the ranks' shards add up to the global batch
+        assert job.losses == pytest.approx(record.losses, rel=1e-4)
+        assert all(r.record.losses == job.losses for r in results)
+        assert [sum(r.local.tokens[k] for r in results) for k in range(job.steps)] == job.tokens
+    # ranks held different token counts, so a mean of per-rank means would not have matched
+    assert any(len({r.local.tokens[k] for r in by_sync["naive"]}) > 1 for k in range(record.steps))
+
+
+def test_without_gradient_sync_replicas_drift_apart(launched):
+    world_size, config, by_sync = launched
+    results = by_sync["none"]
+    assert len({r.checksum for r in results}) == world_size
+    assert _max_difference(results[0].state, results[1].state) > 1e-3
+    synced = by_sync["bucketed"][0].state
+    assert _max_difference(results[0].state, synced) > 1e-3
+
+
+def test_result_records_steps_epochs_and_timings(launched):
+    world_size, config, by_sync = launched
+    result = by_sync["bucketed"][0]
+    steps = config.max_steps * config.epochs
+    assert result.record.steps == result.local.steps == steps
+    assert len(result.epoch_times) == config.epochs
+    assert set(result.breakdown) == {"data", "compute", "sync", "optimizer", "gc"}
+    assert all(len(v) == steps and min(v) >= 0 for v in result.breakdown.values())
+    summary = summarize(by_sync["bucketed"], warmup=1)
+    assert summary["ranks_identical"] and summary["world_size"] == world_size and summary["tokens_per_sec"] > 0
+    assert not summarize(by_sync["none"])["ranks_identical"]
+
+
+def test_timeline_records_bucket_all_reduces_during_backward(launched):
+    world_size, config, by_sync = launched
+    for result in by_sync["traced"]:
+        lane = f"rank {result.rank}"
+        kinds = [(e.lane, e.kind) for e in result.events]
+        assert kinds[:2] == [(lane, "forward"), (lane, "backward")]
+        comm = [e for e in result.events if e.kind == "comm"]
+        backward = result.events[1]
+        assert len(comm) > 1 and {e.lane for e in comm} == {f"{lane} comm"}
+        assert [e.label for e in comm] == [f"b{i}" for i in range(len(comm))]
+        assert min(e.start for e in comm) < backward.end  # the first bucket left before backward ended
+        assert all(e.micro_batch == 0 for e in result.events)  # only the first step
+
+
+@pytest.mark.parametrize("field, value", [("sync", "allreduce"), ("optimizer", "lamb"), ("batch_size", 0),
+                                          ("max_length", 4096)])
+def test_bad_config_is_rejected_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        single_process_reference(1, replace(SMALL, **{field: value}))
+
+
+def test_run_dp_without_a_process_group_fails_clearly():
+    with pytest.raises(RuntimeError, match="run_dp needs an initialised process group"):
+        run_dp(0, 1, SMALL)
+
+
+def test_command_line_trains_and_prints_a_summary(capsys):
+    assert main(["--world-size", "1", "--max-steps", "2", "--batch-size", "4", "--train-examples", "40",
+                 "--vocab-size", "300", "--val-examples", "8", "--sync", "naive"]) == 0
+    out = capsys.readouterr().out
+    assert "sync=naive" in out and "ranks_identical True" in out and "tokens_per_sec" in out
+
+
+def test_drift_per_module_and_the_pictures(launched):
+    import matplotlib.pyplot as plt
+
+    from parallel_lib.viz.dp import (parameter_drift, render_breakdown, render_drift, render_partitions,
+                                     render_throughput)
+
+    world_size, config, by_sync = launched
+    drift = parameter_drift([r.state for r in by_sync["none"]])
+    assert set(drift) == {"transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head.weight"} | {
+        f"transformer.h.{i}" for i in range(4)}
+    assert min(drift.values()) > 0 and max(parameter_drift([r.state for r in by_sync["ddp"]]).values()) == 0
+    for fig in (render_drift({"none": drift}), render_breakdown(by_sync["bucketed"][0]),
+                render_throughput({"run": by_sync["bucketed"]}), render_partitions(10, world_size, 2 * world_size)):
+        assert fig.axes
+        plt.close(fig)
