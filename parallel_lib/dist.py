@@ -391,9 +391,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
             proc = context.Process(target=_rank_main, args=(job, rank, sender), name=f"rank{rank}")
-            procs.append(proc)
             conns.append(receiver)
             proc.start()
+            procs.append(proc)  # only started ones: the clean-up joins them
             sender.close()  # keep only the child's copy, so its death reads as end-of-file here
         results = _collect(procs, conns, deadline, timeout)
         for proc in procs:  # results are in; give the ranks a moment to leave the group

@@ -1,0 +1,226 @@
+"""Tests for parallel_lib.check_gpu on a machine without a GPU.
+
+The plan and the command line are pure and tested for 0, 1, 2 and 4 GPUs with a
+faked ``torch.cuda.device_count``. The checks themselves use int device keys and
+``launch``, which fall back to the CPU and gloo, so their equivalence logic runs
+here for real on CPU "devices"; only the benchmarks they end with (tested in
+test_bench_*.py) are replaced by fakes that record how they were called.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_lib import check_gpu
+from parallel_lib.check_gpu import CheckError, Planned, device_counts, format_plan, parse_args, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("n_devices, n_layers, expected", [
+    (1, 12, [1]), (2, 12, [1, 2]), (3, 12, [1, 2, 3]), (4, 12, [1, 2, 4]), (6, 12, [1, 2, 4, 6]),
+    (16, 12, [1, 2, 4, 8, 12]), (8, 4, [1, 2, 4]),
+])
+def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, expected):
+    assert device_counts(n_devices, n_layers) == expected
+
+
+@pytest.mark.parametrize("n_gpus, expected", [
+    (0, [("dp", 0, "needs >= 2 GPUs, found 0"), ("allreduce", 0, "needs >= 2 GPUs, found 0"),
+         ("model_parallel", 0, "needs >= 1 GPU, found 0"), ("pipeline", 0, "needs >= 2 GPUs, found 0")]),
+    (1, [("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
+         ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1")]),
+    (2, [("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, "")]),
+    (4, [("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, "")]),
+])
+def test_plan_by_gpu_count(n_gpus, expected):
+    assert plan(n_gpus) == [Planned(*row) for row in expected]
+
+
+def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
+    quick = {p.name: p.gpus for p in plan(8, quick=True)}  # the quick model has 4 layers
+    full = {p.name: p.gpus for p in plan(16)}  # GPT-2 has 12
+
+    assert quick == {"dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4}
+    assert full == {"dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12}
+
+
+def test_plan_only_and_its_table():
+    planned = plan(2, only=["pipeline"])
+
+    assert [p.name for p in planned if p.runs] == ["pipeline"]
+    table = format_plan(planned)
+    assert "dp                 -  skipped: not selected (--only)" in table
+    assert "pipeline           2  Pipe over cuda:0..p-1" in table
+    with pytest.raises(ValueError, match=r"only must name checks from \['dp', .*\], got \['gpu'\]"):
+        plan(2, only=["gpu"])
+
+
+def test_parse_args():
+    defaults = parse_args([])
+    args = parse_args(["--quick", "--only", "dp", "pipeline", "--gpus", "2"])
+
+    assert (defaults.quick, defaults.only, defaults.gpus) == (False, None, None)
+    assert (args.quick, args.only, args.gpus) == (True, ["dp", "pipeline"], 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--only", "tp"], "invalid choice: 'tp'"),
+])
+def test_parse_args_rejects(argv, message, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        parse_args(argv)
+    assert excinfo.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# --- main, with faked GPU counts and checks -------------------------------------------------------
+
+@pytest.fixture
+def fake_checks(monkeypatch):
+    """Replace every check by one that records its call; "pipeline" raises. Returns the calls."""
+    calls = []
+
+    def fake(name):
+        def check(n_gpus, quick):
+            calls.append((name, n_gpus, quick))
+            if name == "pipeline":
+                raise CheckError("Pipe on 2 stages does not match one device")
+            return f"table of {name}"
+        return check
+
+    for name, (min_gpus, what, _) in list(check_gpu.CHECKS.items()):
+        monkeypatch.setitem(check_gpu.CHECKS, name, (min_gpus, what, fake(name)))
+    monkeypatch.setattr(check_gpu, "environment_report", lambda: print("environment"))
+    return calls
+
+
+def test_main_without_gpu_says_so_and_checks_nothing(monkeypatch, fake_checks, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+    assert check_gpu.main(["--quick"]) == 0
+    assert fake_checks == []
+    assert capsys.readouterr().out.startswith("No NVIDIA GPU found: ")
+
+
+def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    assert check_gpu.main(["--quick"]) == 1
+    assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
+                           ("pipeline", 2, True)]
+    captured = capsys.readouterr()
+    assert "## model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
+    assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
+    summary = captured.out.splitlines()[-4:]
+    assert [line.split()[:2] for line in summary] == [["dp", "passed"], ["allreduce", "passed"],
+                                                      ["model_parallel", "passed"], ["pipeline", "FAILED"]]
+
+
+def test_main_with_one_gpu_runs_model_parallel_only(monkeypatch, fake_checks):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    assert check_gpu.main([]) == 0
+    assert fake_checks == [("model_parallel", 1, False)]
+
+
+def test_main_uses_the_gpus_asked_for(monkeypatch, fake_checks, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+    assert check_gpu.main(["--gpus", "2", "--only", "dp"]) == 0
+    assert fake_checks == [("dp", 2, False)]
+    assert check_gpu.main(["--gpus", "5"]) == 2
+    assert "--gpus 5 asks for more GPUs than the 4 visible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cuda, expected", [
+    (None, "is a CPU-only build (install a CUDA build of torch)"),
+    ("12.4", "is built with CUDA 12.4, but no GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"),
+])
+def test_no_gpu_message_names_the_cause(monkeypatch, cuda, expected):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert expected in check_gpu._no_gpu_message()
+
+
+def test_module_entry_point_on_this_machine():
+    done = subprocess.run([sys.executable, "-m", "parallel_lib.check_gpu", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, done.stderr
+    if torch.cuda.device_count() == 0:
+        assert "No NVIDIA GPU found" in done.stdout and "Nothing to check on GPUs here" in done.stdout
+
+
+# --- the checks, on CPU "devices" -----------------------------------------------------------------
+
+def test_max_difference_names_the_gradient_that_differs():
+    expected = (torch.tensor(1.0), {"w": torch.zeros(3), "b": torch.zeros(2)})
+    close = (torch.tensor(1.0), {"w": torch.full((3,), 1e-7), "b": torch.zeros(2)})
+    wrong = (torch.tensor(1.0), {"w": torch.zeros(3), "b": torch.tensor([0.0, 1e-3])})
+
+    assert check_gpu._max_difference(expected, close, "2 devices") == pytest.approx(1e-7)
+    with pytest.raises(CheckError, match=r"2 devices does not match the reference: b: Tensor-likes are not close"):
+        check_gpu._max_difference(expected, wrong, "2 devices")
+
+
+def test_model_parallel_check_on_cpu_devices():
+    table = check_gpu.check_model_parallel(2, quick=True)
+
+    rows = [line for line in table.splitlines() if line.startswith("| cpu")]
+    assert [row.split(" | ")[:2] for row in rows] == [["| cpu", "4"], ["| cpu, cpu", "2+2"]]
+    assert all(row.split(" | ")[2] == "0.0e+00" for row in rows)  # same kernels on the CPU: exact
+
+
+def test_pipeline_check_on_cpu_devices(monkeypatch):
+    bench_configs = []
+    monkeypatch.setattr(check_gpu.bench_pp, "run", lambda config: bench_configs.append(config) or "results")
+    monkeypatch.setattr(check_gpu.bench_pp, "markdown", lambda results: f"pp table of {results}")
+
+    text = check_gpu.check_pipeline(4, quick=True)
+
+    for devices in ("cpu, cpu", "cpu, cpu, cpu, cpu"):
+        for schedule in ("gpipe", "1f1b"):
+            assert f"Pipe {schedule} on {devices}: loss and gradients match one device" in text
+    rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows == [[f"| {p}", str(m)] for p in (2, 4) for m in check_gpu.QUICK.micro_batches]
+    assert text.endswith("pp table of results") and bench_configs == [check_gpu.bench_pp.QUICK]
+
+
+def test_dp_check_on_gloo_ranks(monkeypatch):
+    bench_configs = []
+    monkeypatch.setattr(check_gpu.bench_dp, "measure", lambda config: bench_configs.append(config) or "results")
+    monkeypatch.setattr(check_gpu.bench_dp, "markdown", lambda results: f"dp table of {results}")
+
+    text = check_gpu.check_dp(2, quick=True)
+
+    for method in ("naive", "bucketed", "ring", "ddp"):
+        assert f"  {method:<9} parameters match" in text
+    assert "Data parallel, 2 ranks on cpu .. cpu, 3 SGD steps" in text
+    assert text.endswith("dp table of results")
+    assert [(c.world_size, c.steps) for c in bench_configs] == [(2, check_gpu.bench_dp.QUICK.steps)]
+
+
+@pytest.mark.parametrize("max_error", [1e-6, 0.5, float("nan")])
+def test_allreduce_check_fails_when_the_ring_disagrees(monkeypatch, max_error):
+    configs = []
+
+    def measure(config):
+        configs.append(config)
+        return types.SimpleNamespace(max_error=max_error)
+
+    monkeypatch.setattr(check_gpu.bench_allreduce, "measure", measure)
+    monkeypatch.setattr(check_gpu.bench_allreduce, "markdown", lambda results: "allreduce table")
+
+    if max_error < 1e-3:
+        assert check_gpu.check_allreduce(4) == "allreduce table"
+    else:
+        with pytest.raises(CheckError, match="ring_all_reduce differs from dist.all_reduce"):
+            check_gpu.check_allreduce(4)
+    assert [c.world_size for c in configs] == [4]
