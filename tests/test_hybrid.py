@@ -1,0 +1,159 @@
+"""Tests for parallel_lib.hybrid: data parallel over pipelines equals one process.
+
+Starting four ranks costs seconds, so one launch runs every layout in turn (2 x 2
+with both schedules, pure PP 1 x 4, pure DP 4 x 1) and then a deliberately broken
+run whose ranks disagree on the micro-batch count, to see every wait time out with
+a message that names the rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallel_lib.dist import launch
+from parallel_lib.dp import single_process_reference
+from parallel_lib.hybrid import (HEAD_COPY, HybridConfig, RankGrid, compare_with_reference, gather_state,
+                                 run_hybrid, run_hybrid_many, summarize)
+from parallel_lib.strategy import p2p_bytes
+
+# SGD with a large step: unlike Adam, its update is proportional to the gradient, so a
+# wrong loss normalisation or a gradient summed instead of averaged changes the parameters
+BASE = HybridConfig(dp=2, pp=2, micro_batches=2, batch_size=8, steps=2, train_examples=64, vocab_size=300,
+                    max_length=16, optimizer="sgd", lr=0.5, return_state=True)
+LAYOUTS = {
+    "2x2 1f1b": replace(BASE, timeline_step=1),
+    "2x2 gpipe": replace(BASE, schedule="gpipe", micro_batches=3, batch_size=12, steps=2),
+    "1x4 1f1b": replace(BASE, dp=1, pp=4, micro_batches=4),
+    "4x1": replace(BASE, dp=4, pp=1, micro_batches=1),
+}
+BROKEN_TIMEOUT = 2.0
+
+
+def layouts_then_broken_run(rank: int, world_size: int, configs: list[HybridConfig]) -> tuple[list, str]:
+    """Every layout, then a 2 x 2 run in which rank 0 stops after one step and the others wait for it."""
+    results = run_hybrid_many(rank, world_size, configs)
+    broken = replace(BASE, return_state=False, timeout=BROKEN_TIMEOUT, steps=1 if rank == 0 else 2)
+    try:
+        run_hybrid(rank, world_size, broken)
+        message = "no error"
+    except (TimeoutError, RuntimeError) as error:
+        message = f"{type(error).__name__}: {error}"
+    time.sleep(BROKEN_TIMEOUT + 1)  # leave the default group only after every peer has given up
+    return results, message
+
+
+@pytest.fixture(scope="module")
+def launched() -> tuple[dict[str, list], list[str]]:
+    per_rank = launch(layouts_then_broken_run, 4, list(LAYOUTS.values()), threads_per_rank=1, timeout=240)
+    by_layout = {name: [results[k] for results, _ in per_rank] for k, name in enumerate(LAYOUTS)}
+    return by_layout, [message for _, message in per_rank]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parameters_and_losses_equal_one_process_on_the_global_batches(launched, name):
+    results = launched[0][name]
+    config = LAYOUTS[name]
+    record, expected = single_process_reference(config.dp, config.dp_config())
+    differences = compare_with_reference(results, expected)
+    assert set(differences) == set(expected)  # every parameter lives on some stage, the head's copy too
+    assert max(differences.values()) < 1e-5, {k: v for k, v in differences.items() if v >= 1e-5}
+    summary = summarize(results)
+    assert results[0].tokens == record.tokens  # the replicas' batches make up the global batch
+    assert summary["losses"] == pytest.approx(record.losses, rel=1e-5)
+
+
+def test_bytes_sent_are_what_the_planner_counts(launched):
+    for name, results in launched[0].items():
+        config = LAYOUTS[name]
+        boundary = config.batch_size // config.dp * config.max_length * 64 * 4  # tiny: n_embd 64, fp32
+        for r in results:  # forward to the next stage, gradients back to the previous one
+            assert r.bytes_p2p == boundary * ((r.stage > 0) + (r.stage < config.pp - 1)), (name, r.rank)
+        assert summarize(results)["bytes_p2p"] == p2p_bytes(boundary, config.pp), name
+        # every gradient of a replica, the head's copy included, goes through its dp all-reduce once
+        replica = [r for r in results if r.replica == 0]
+        expected = 4 * sum(r.num_parameters for r in replica) if config.dp > 1 else 0
+        assert sum(r.bytes_dp for r in replica) == expected, name
+        assert all((r.bytes_tied > 0) == (config.pp > 1 and r.stage in (0, config.pp - 1)) for r in results)
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe(launched):
+    by_layout = launched[0]
+    assert [r.peak_activations for r in by_layout["1x4 1f1b"]] == [4, 3, 2, 1]
+    assert {r.peak_activations for r in by_layout["2x2 gpipe"]} == {3}
+
+
+def test_timeline_of_the_traced_step_has_every_action_and_both_all_reduces(launched):
+    results = launched[0]["2x2 1f1b"]
+    for r in results:
+        kinds = sorted((e.kind, e.label) for e in r.events)
+        assert kinds.count(("forward", "")) == kinds.count(("backward", "")) == 2, r.rank
+        assert ("comm", "dp") in kinds and ("comm", "tied") in kinds
+        assert len({e.lane for e in r.events}) == 1
+    assert all(not r.events for r in launched[0]["2x2 gpipe"])  # timeline_step=None records nothing
+
+
+def test_a_wait_that_never_ends_times_out_naming_the_rank_and_the_peer(launched):
+    messages = launched[1]
+    assert messages[0] == "no error"  # rank 0 trained its one step and left
+    assert messages[1].startswith("TimeoutError: rank 1 (replica 0, stage 1) waiting for the activations of "
+                                  "micro-batch 0 from rank 0: nothing within timeout=2 s"), messages[1]
+    assert messages[2].startswith("TimeoutError: rank 2 (replica 1, stage 0): token count of step 1") or \
+        messages[2].startswith("RuntimeError: rank 2 (replica 1, stage 0): token count of step 1: failed"), messages[2]
+    assert messages[3].startswith("TimeoutError: rank 3 (replica 1, stage 1) waiting for the activations of "
+                                  "micro-batch 0 from rank 2"), messages[3]
+
+
+def test_rank_grid_is_a_tensor_whose_rows_are_pipelines_and_columns_dp_groups():
+    grid = RankGrid(dp=3, pp=2)
+    torch.testing.assert_close(grid.ranks, torch.tensor([[0, 1], [2, 3], [4, 5]]))
+    assert [grid.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert grid.pipeline_ranks(1) == [2, 3] and grid.dp_ranks(1) == [1, 3, 5]
+    assert grid.tied_ranks(2) == [4, 5] and RankGrid(2, 1).tied_ranks(1) == [1]
+    assert str(RankGrid(2, 2)).splitlines()[1].split() == ["replica", "0", "rank", "0", "rank", "1"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dp=0), "dp must be an int >= 1, got dp=0"),
+    (dict(pp=1.5), "pp must be an int >= 1"),
+])
+def test_rank_grid_rejects_bad_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RankGrid(**{"dp": 1, "pp": 1, **kwargs})
+    with pytest.raises(ValueError, match="rank must be in"):
+        RankGrid(2, 2).coords(4)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(dp=3), r"dp \* pp must equal world_size=4, got dp=3 x pp=2 = 6"),
+    (dict(dp=1, pp=4, model="nope"), "model must be one of"),
+    (dict(dp=1, pp=4, model="tiny", micro_batches=0), "micro_batches must be >= 1"),
+    (dict(schedule="zigzag"), "schedule must be one of"),
+    (dict(batch_size=9), "batch_size must split into dp=2"),
+    (dict(micro_batches=5), "at least micro_batches=5 rows"),
+    (dict(steps=9), "need train_examples >= 72"),
+    (dict(optimizer="lion"), "optimizer must be 'adamw' or 'sgd'"),
+    (dict(timeout=0), "timeout > 0"),
+])
+def test_config_check_names_the_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        replace(BASE, **change).check(world_size=4)
+    with pytest.raises(ValueError, match=r"pp must be <= the model's 4 blocks"):
+        replace(BASE, dp=1, pp=5).check()
+
+
+def test_gather_state_needs_returned_parameters(launched):
+    results = launched[0]["2x2 1f1b"]
+    assert HEAD_COPY in gather_state(results, replica=1)
+    with pytest.raises(ValueError, match="return_state=True"):
+        gather_state([replace(r, state=None) for r in results])
+    with pytest.raises(ValueError, match="no stage holds"):
+        compare_with_reference([r for r in results if r.stage == 0], gather_state(results))
+
+
+def test_run_hybrid_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        run_hybrid(0, 4, BASE)
