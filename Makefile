@@ -14,12 +14,12 @@ lab: $(STAMP)
 test: test-unit test-notebooks
 
 test-unit: $(STAMP)
-	MPLBACKEND=Agg $(BIN)/python -m pytest tests -q
+	MPLBACKEND=Agg $(BIN)/python -m pytest tests -q --durations=10
 
 # --nbval-lax: every cell must run; only cells marked "# NBVAL_CHECK_OUTPUT" compare outputs
 test-notebooks: $(STAMP)
 	$(BIN)/python tools/store_notebook.py --check notebooks/*.ipynb
-	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider notebooks -q
+	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider notebooks -q --durations=6
 
 figures: $(STAMP)
 	$(BIN)/python -m parallel_lib.figures

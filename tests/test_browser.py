@@ -75,6 +75,7 @@ def lab_url(tmp_path_factory):
     port = _free_port()
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"))
+    env.pop("MPLBACKEND", None)  # the kernel must draw inline (images), as in a reader's JupyterLab
     log = open(work / "lab.log", "w")
     lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
                             "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={TOKEN}",
