@@ -193,9 +193,11 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
                 t1 = time.perf_counter()
                 local_tokens = int(batch["label_token_weights"].sum().item())
                 denominator = torch.tensor(float(local_tokens), dtype=torch.float64, device=device)
-                if config.sync != "none":  # [1] the global token count, so that the mean is global
-                    dist.all_reduce(denominator, op=dist.ReduceOp.SUM)
-                    denominator /= world_size
+                # [1] the global token count, so that the mean is global. Sent now and awaited
+                # only after forward: the message travels while the model computes, and the
+                # ranks meet once per step (at the gradients), not twice.
+                counting = (dist.all_reduce(denominator, op=dist.ReduceOp.SUM, async_op=True)
+                            if config.sync != "none" else None)
                 global_step = len(local.losses)  # the events' micro_batch, as BucketedAllReduce's steps
                 traced = global_step < config.timeline_steps
                 if isinstance(sync, BucketedAllReduce):
@@ -203,6 +205,9 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
                 optimizer.zero_grad(set_to_none=True)
                 with recorder.record(lane, "forward", global_step) if traced else nullcontext():
                     logits = net(batch["input_ids"]).logits  # (B, T, V)
+                    if counting is not None:
+                        counting.wait()
+                        denominator /= world_size
                     loss = weighted_cross_entropy(logits, batch["labels"], batch["label_token_weights"], denominator)
                 with recorder.record(lane, "backward", global_step) if traced else nullcontext():
                     loss.backward()  # [2] ddp and overlapping buckets start all-reducing in here
