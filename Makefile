@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: lab test test-unit test-notebooks figures bench clean
 
+# --allow-root only for root (containers, lab VMs): JupyterLab refuses root otherwise
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 test: test-unit test-notebooks
 
