@@ -35,13 +35,14 @@ from .ring import (algorithm_bandwidth, allreduce_cost, bus_bandwidth, require_p
                    ring_all_reduce, ring_steps)
 from .timeline import TimelineRecorder
 
-__all__ = ["average_gradients", "BucketedAllReduce", "ring_all_reduce", "ring_steps",
+__all__ = ["grad_or_zeros", "average_gradients", "BucketedAllReduce", "ring_all_reduce", "ring_steps",
            "allreduce_cost", "algorithm_bandwidth", "bus_bandwidth"]
 
 AllReduceFn = Callable[[torch.Tensor], Any]  # sums a tensor over ranks in place, blocking
 
 
-def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    """``param.grad``, made zeros first when backward gave it none."""
     # a parameter that got no gradient on this rank still joins the collective, as zeros:
     # skipping it would leave the other ranks waiting for a message that never comes
     if param.grad is None:
@@ -61,7 +62,7 @@ def average_gradients(model: nn.Module) -> None:
     world_size = dist.get_world_size()
     for param in model.parameters():
         if param.requires_grad:
-            grad = _grad_or_zeros(param)
+            grad = grad_or_zeros(param)
             dist.all_reduce(grad, op=dist.ReduceOp.SUM)
             grad /= world_size
 
@@ -154,7 +155,7 @@ class BucketedAllReduce:
         offset = 0
         for p in bucket.params:  # [1] pack: copy each gradient into its slice of the flat buffer
             n = p.numel()
-            bucket.buffer[offset:offset + n].copy_(_grad_or_zeros(p).reshape(-1))
+            bucket.buffer[offset:offset + n].copy_(grad_or_zeros(p).reshape(-1))
             offset += n
         recorder = self.recorder
         if recorder:

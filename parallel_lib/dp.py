@@ -46,8 +46,8 @@ from .text import collate_batch, get_tokenizer, load_corpus
 from .timeline import Event, TimelineRecorder
 from .train import TrainRecord, evaluate, train, weighted_cross_entropy
 
-__all__ = ["SYNC_METHODS", "DPConfig", "DPResult", "run_dp", "run_dp_many", "train_replica", "single_process_reference",
-           "summarize", "main"]
+__all__ = ["SYNC_METHODS", "DPConfig", "DPResult", "prepare_replica", "run_dp", "run_dp_many", "train_replica",
+           "single_process_reference", "summarize", "main"]
 
 SYNC_METHODS = ("none", "naive", "bucketed", "ring", "ddp")
 
@@ -113,7 +113,8 @@ def _model_name(config: DPConfig, device: torch.device) -> str:
     return config.model or ("gpt2" if device.type == "cuda" else "tiny")
 
 
-def _prepare(config: DPConfig, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, list, Callable]:
+def prepare_replica(config: DPConfig, device: torch.device
+                    ) -> tuple[nn.Module, torch.optim.Optimizer, list, Callable]:
     """The replica, its optimizer, the training pairs and the collate function (same on every rank)."""
     _check_config(config)
     pairs = load_corpus("train", size=config.train_examples)
@@ -169,7 +170,7 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
     can train alone (the benchmark's one-rank baseline). Arguments as :func:`run_dp`.
     """
     device = rank_device()
-    model, optimizer, pairs, collate = _prepare(config, device)
+    model, optimizer, pairs, collate = prepare_replica(config, device)
     net, sync = _sync_method(config, model, device)
     loader = partition_dataset(rank, world_size, pairs, batch_size=config.batch_size, collate_fn=collate,
                                seed=config.data_seed)
@@ -291,7 +292,7 @@ def single_process_reference(world_size: int, config: DPConfig) -> tuple[TrainRe
     Returns:
         (the per-step record, the final ``state_dict`` on the CPU).
     """
-    model, optimizer, pairs, collate = _prepare(config, torch.device("cpu"))
+    model, optimizer, pairs, collate = prepare_replica(config, torch.device("cpu"))
     record = TrainRecord()
     for epoch in range(config.epochs):
         steps = global_batch_indices(pairs, world_size, config.batch_size, seed=config.data_seed, epoch=epoch)

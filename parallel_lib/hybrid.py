@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .allreduce import _grad_or_zeros
+from .allreduce import grad_or_zeros
 from .data import partition_dataset
 from .dist import rank_device
-from .dp import DPConfig, _prepare
+from .dp import DPConfig, prepare_replica
 from .memory import memory_report
 from .models import GPT2_SIZES
 from .pipeline.gpt2 import gpt2_stages
@@ -314,7 +314,7 @@ class _Gradients:
                 _all_reduce(grad, self.tied_group, timeout, f"{who}: tied-embedding gradient sum")
             self.bytes_tied = grad.numel() * grad.element_size()
         if self.dp > 1:  # one flat message per stage and step
-            grads = [_grad_or_zeros(p) for p in self.params]
+            grads = [grad_or_zeros(p) for p in self.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             with self.stage.record("comm", None, "dp"):
                 _all_reduce(flat, self.dp_group, timeout, f"{who}: gradient all-reduce")
@@ -348,7 +348,7 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
     dp_groups, tied_groups = _new_groups(grid, config.timeout)
     try:
         device = rank_device()
-        model, optimizer, pairs, collate = _prepare(config.dp_config(), device)
+        model, optimizer, pairs, collate = prepare_replica(config.dp_config(), device)
         names = {id(p): name for name, p in model.named_parameters()}
         stages = gpt2_stages(model, [device] * grid.pp)
         module = stages[j].to(device)

@@ -114,18 +114,31 @@ def browser():
             chromium.close()
 
 
-def open_widget_cell(browser, lab_url, notebook: str, marker: str):
-    """Open ``notebook``, run the one cell whose code contains ``marker``; return (page, cell)."""
+def open_widget_cell(browser, lab_url, notebook: str, marker: str, tries: int = 3):
+    """Open ``notebook``, run the one cell whose code contains ``marker``; return (page, cell).
+
+    The run is retried: a Shift+Enter that lands while the kernel is still connecting
+    can be dropped by JupyterLab, which a reader would answer by pressing it again.
+    """
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(90_000)
     page.goto(f"{lab_url}/lab/tree/{notebook}?token={TOKEN}")
     page.wait_for_selector(".jp-Notebook .jp-CodeCell")
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")  # kernel started
     cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea-editor", has_text=marker)).first
-    cell.scroll_into_view_if_needed()
-    cell.locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Shift+Enter")
-    cell.locator(".jp-OutputArea-output .widget-box").first.wait_for()
+    widget = cell.locator(".jp-OutputArea-output .widget-box").first
+    for attempt in range(1, tries + 1):
+        cell.scroll_into_view_if_needed()
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            widget.wait_for(timeout=30_000)
+            break
+        except Exception:
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SHOTS / f"{notebook}-no-widget-{attempt}.png"))
+            if attempt == tries:
+                raise
     cell.locator(".jp-OutputArea-output img").first.wait_for()  # the first drawing
     return page, cell
 
