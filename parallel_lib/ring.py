@@ -158,6 +158,22 @@ def _segments(start: int, stop: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, stop)) for a in range(start, stop, size)]
 
 
+_INBOXES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive buffer of at least ``numel`` elements, kept from call to call.
+
+    A fresh 32 MB buffer per call costs the operating system thousands of page faults
+    (new pages are mapped and zeroed on first touch), which made a 64 MB all-reduce
+    about half again slower than gloo's own; keeping the largest one avoids that.
+    """
+    key = (dtype, device)
+    if key not in _INBOXES or _INBOXES[key].numel() < numel:
+        _INBOXES[key] = torch.empty(numel, dtype=dtype, device=device)
+    return _INBOXES[key][:numel]
+
+
 def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place, like ``dist.all_reduce(tensor)``, by ring messages only.
 
@@ -185,7 +201,7 @@ def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> to
     if not steps:
         return tensor
     longest = max(stop - start for start, stop in ring_chunks(world_size, flat.numel()))
-    inbox = torch.empty(longest, dtype=flat.dtype, device=flat.device)  # reduce-scatter receives here, then adds
+    inbox = _inbox(longest, flat.dtype, flat.device)  # reduce-scatter receives here, then adds
     segment = max(1, _SEGMENT_BYTES // flat.element_size())
     wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     for step in steps:
