@@ -17,10 +17,11 @@ test: test-unit test-notebooks
 test-unit: $(STAMP)
 	MPLBACKEND=Agg $(BIN)/python -m pytest tests -q --durations=10
 
-# --nbval-lax: every cell must run; only cells marked "# NBVAL_CHECK_OUTPUT" compare outputs
+# --nbval-lax: every cell must run; only cells marked "# NBVAL_CHECK_OUTPUT" compare outputs.
+# peak_memory.py holds the course to its promise: every notebook within 4 GiB of RAM.
 test-notebooks: $(STAMP)
 	$(BIN)/python tools/store_notebook.py --check notebooks/*.ipynb
-	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider notebooks -q --durations=6
+	$(BIN)/python tools/peak_memory.py --limit-gib 4 -- $(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider notebooks -q --durations=6
 
 figures: $(STAMP)
 	$(BIN)/python -m parallel_lib.figures

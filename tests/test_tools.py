@@ -51,3 +51,21 @@ def test_a_marked_cell_without_output_is_reported():
 def test_every_stored_notebook_is_clean():
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert store_notebook.problems(nbformat.read(path, as_version=4)) == [], path.name
+
+
+def peak_memory(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "peak_memory.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_peak_memory_fails_a_run_over_its_limit_and_passes_one_under_it():
+    hog = [sys.executable, "-c", "import time; x = bytearray(200 * 2**20); time.sleep(1)"]
+    over = peak_memory("--limit-gib", "0.1", "--", *hog)
+    assert over.returncode == 1 and "OVER the 0.1 GiB limit" in over.stdout
+    under = peak_memory("--limit-gib", "4", "--", *hog)
+    assert under.returncode == 0 and "within the 4 GiB limit" in under.stdout
+
+
+def test_peak_memory_passes_on_the_commands_own_failure():
+    failing = peak_memory("--limit-gib", "4", "--", sys.executable, "-c", "raise SystemExit(3)")
+    assert failing.returncode == 3
