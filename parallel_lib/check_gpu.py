@@ -43,6 +43,7 @@ from .model_parallel import parallelize
 from .models import GPT2_SIZES, build_gpt2
 from .pipeline import Pipe, gpt2_stages
 from .text import collate_batch, get_tokenizer, load_corpus
+from .timeline import synchronize_devices
 from .train import forward_loss, train, weighted_cross_entropy
 
 __all__ = ["CHECKS", "CheckError", "Workload", "FULL", "QUICK", "Planned", "device_counts", "plan",
@@ -170,12 +171,6 @@ def _max_difference(expected: Grads, got: Grads, what: str) -> float:
     return max((got[1][name] - grad).abs().max().item() for name, grad in expected[1].items())
 
 
-def _synchronize(devices: Sequence[torch.device]) -> None:
-    for device in set(devices):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
 def _free() -> None:
     """Give cached GPU memory back between checks (the next one may launch processes)."""
     gc.collect()
@@ -274,7 +269,7 @@ def check_pipeline(n_gpus: int, quick: bool = False) -> str:
                     stages.zero_grad(set_to_none=True)
                     start = time.perf_counter()
                     pipe.train_step(ids, target, loss_fn, reduction="sum")
-                    _synchronize(pipe.devices)  # kernels run after the call returns; wait on every stage
+                    synchronize_devices(pipe.devices)  # kernels run after the call returns; wait on every stage
                     times.append(time.perf_counter() - start)
             step_seconds[m] = statistics.median(times[1:])  # the first step warms up
             speedup = step_seconds[workload.micro_batches[0]] / step_seconds[m]

@@ -26,7 +26,7 @@ from transformers import GPT2LMHeadModel, GPT2Model
 
 from .device_map import (DeviceKey, DeviceMap, balance_by_cost, get_device_map, lane_name, resolve_device,
                          validate_device_map)
-from .timeline import Event, TimelineRecorder
+from .timeline import Event, TimelineRecorder, synchronize_devices
 
 __all__ = [
     "placement",
@@ -222,11 +222,6 @@ def _instrument(recorder: TimelineRecorder, module: nn.Module, lane: str, name: 
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
 
-def _synchronize(devices: list[torch.device]) -> None:
-    for device in devices:
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None) -> Iterator[list[Event]]:
     """Record each placed part's forward and backward as timeline events.
@@ -248,7 +243,7 @@ def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None) ->
     """
     owners = placement(model, device_map)
     cuda = sorted({d for d in (resolve_device(k) for k, _, _ in owners) if d.type == "cuda"}, key=str)
-    recorder = TimelineRecorder(partial(_synchronize, cuda) if cuda else None)
+    recorder = TimelineRecorder(partial(synchronize_devices, cuda) if cuda else None)
     state: dict[str, Any] = {"step": -1, "end": 0.0}  # forward calls so far; when the last part finished
     output_lane = lane_name(owners[-1][0])
 

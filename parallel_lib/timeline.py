@@ -16,7 +16,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
-__all__ = ["Event", "TimelineRecorder", "lanes", "makespan", "busy_time", "max_concurrency", "idle_fraction"]
+import torch
+
+__all__ = ["Event", "TimelineRecorder", "synchronize_devices", "lanes", "makespan", "busy_time", "max_concurrency",
+           "idle_fraction"]
 
 KINDS = ("forward", "backward", "comm")
 
@@ -94,6 +97,18 @@ class TimelineRecorder:
             yield
         finally:
             self.add(lane, kind, micro_batch, start, self.now(), label)
+
+
+def synchronize_devices(devices: Iterable[torch.device]) -> None:
+    """Wait until every CUDA device among ``devices`` has run its queued kernels.
+
+    A clock read without it times when GPU work was queued, not when it ran; CPU
+    devices have nothing queued. Each device is waited on by name, since a bare
+    ``torch.cuda.synchronize()`` waits for the current device only.
+    """
+    for device in dict.fromkeys(devices):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def lanes(events: Iterable[Event]) -> list[str]:

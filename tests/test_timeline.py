@@ -4,7 +4,7 @@ import pytest
 matplotlib.use("Agg")
 
 from parallel_lib.timeline import (Event, TimelineRecorder, busy_time, idle_fraction, lanes, makespan,  # noqa: E402
-                                   max_concurrency)
+                                   max_concurrency, synchronize_devices)
 from parallel_lib.viz.timeline import plot_timeline  # noqa: E402
 
 
@@ -77,3 +77,12 @@ def test_plot_draws_one_bar_per_event_and_reports_the_bubble():
     assert "idle 25%" in ax.get_title()
     with pytest.raises(ValueError, match="unit"):
         plot_timeline(events, unit="minutes")
+
+
+def test_synchronize_devices_waits_on_each_cuda_device_once(monkeypatch):
+    import torch
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(str(device)))
+    synchronize_devices([torch.device("cpu"), torch.device("cuda:1"), torch.device("cuda:0"), torch.device("cuda:1")])
+    assert waited == ["cuda:1", "cuda:0"]  # named devices, not just the current one; CPUs skipped

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..dist import devices as stage_devices, launch, machine_label, rank_device
 from ..pipeline import Pipe
+from ..timeline import synchronize_devices
 
 __all__ = ["Config", "QUICK", "Results", "make_stages", "run", "markdown", "main"]
 
@@ -102,13 +103,6 @@ def _data(config: Config) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(config.batch, config.width, generator=generator))
 
 
-def _sync(devices: list[torch.device]) -> None:
-    """Wait for queued GPU work, so that a timer measures the work and not its launch."""
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
 def _plain_step(parts: nn.Module, devices: list[torch.device], x: torch.Tensor, y: torch.Tensor) -> None:
     """Plain model parallelism: the whole batch through stage 0, then stage 1, loss, backward."""
     h = x
@@ -124,10 +118,10 @@ def _stage_work(stage: nn.Module, x: torch.Tensor) -> None:
 
 
 def _timed(fn: Callable[[], None], devices: list[torch.device]) -> float:
-    _sync(devices)
+    synchronize_devices(devices)
     start = time.perf_counter()
     fn()
-    _sync(devices)
+    synchronize_devices(devices)
     return time.perf_counter() - start
 
 

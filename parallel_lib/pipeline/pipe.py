@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import weakref
 from queue import Empty
+from functools import partial
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from ..device_map import DeviceKey, DeviceMap, resolve_device
-from ..timeline import TimelineRecorder
+from ..timeline import TimelineRecorder, synchronize_devices
 from .microbatch import Target, check_split, loss_weights, scatter, split_layers, split_like
 from .schedule import SCHEDULES, Action, Schedule, action_ready, make_schedule
 from .worker import Task, Workers
@@ -182,7 +183,8 @@ class Pipe(nn.Module):
         self.timeout = float(timeout)
         self.tied_parameters = list(tied_parameters if tied_parameters is not None
                                     else getattr(module, "tied_parameters", ()))
-        sync = torch.cuda.synchronize if any(d.type == "cuda" for d in self.devices) else None
+        cuda = any(d.type == "cuda" for d in self.devices)
+        sync = partial(synchronize_devices, self.devices) if cuda else None  # every stage's GPU, not the current one
         self.timeline = TimelineRecorder(synchronize=sync)  # events of the last call
         self.peak_activations: list[int] = []  # per stage, in the last train_step
         self._workers = Workers(self.devices, num_threads)
