@@ -35,16 +35,22 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .bench import allreduce as bench_allreduce, dp as bench_dp, pp as bench_pp
-from .device_map import get_device_map, resolve_device
-from .dist import environment_report, launch
-from .dp import DPConfig, run_dp_many, single_process_reference
-from .model_parallel import parallelize
-from .models import GPT2_SIZES, build_gpt2
-from .pipeline import Pipe, gpt2_stages
-from .text import collate_batch, get_tokenizer, load_corpus
-from .timeline import synchronize_devices
-from .train import forward_loss, train, weighted_cross_entropy
+from parallel_lib.bench import allreduce as bench_allreduce
+from parallel_lib.bench import dp as bench_dp
+from parallel_lib.bench import pp as bench_pp
+from parallel_lib.common.models import GPT2_SIZES, build_gpt2
+from parallel_lib.common.timeline import synchronize_devices
+from parallel_lib.common.training import forward_loss, train, weighted_cross_entropy
+from parallel_lib.data.corpus import load_corpus
+from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
+from parallel_lib.data_parallel.dp import DPConfig, run_dp_many, single_process_reference
+from parallel_lib.model_parallel.device_map import get_device_map
+from parallel_lib.model_parallel.placing import parallelize
+from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
+from parallel_lib.pipeline_parallel.pipe import Pipe
+from parallel_lib.runtime.device import resolve_device
+from parallel_lib.runtime.environment import environment_report
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["CHECKS", "CheckError", "Workload", "FULL", "QUICK", "Planned", "device_counts", "plan",
            "format_plan", "check_dp", "check_allreduce", "check_model_parallel", "check_pipeline",

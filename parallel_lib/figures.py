@@ -1,57 +1,184 @@
 """Regenerate every image under ``figures/``: ``python -m parallel_lib.figures``.
 
-Each module in :mod:`parallel_lib.viz` may define ``figures() -> dict[str, Figure]``
-(file stem -> figure). Collecting them here, instead of keeping a list, means a
-chapter adds a figure by adding it to its own viz module, and the README and the
-notebooks' Markdown cells show exactly what the library draws.
+Each figure is one entry of :data:`FIGURES`: a file stem, the chapter it belongs to,
+whether it is measured on this machine, and the function that makes it. The viz
+modules only draw; the measuring (launching ranks, timing a model) happens here, in
+the library functions each entry calls, so a figure shows exactly what the library
+computes and ``viz`` never starts a process. A chapter adds a figure by adding an entry.
+
+    python -m parallel_lib.figures                      # all of them (measured ones take minutes)
+    python -m parallel_lib.figures --only ch02 ch04     # one or more chapters, or stems
+    python -m parallel_lib.figures --static             # only the computed/simulated ones (seconds)
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display needed; must precede pyplot's import by the viz modules
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
-import parallel_lib.viz as viz_package  # noqa: E402
-
-__all__ = ["collect", "main"]
+__all__ = ["FigureSpec", "FIGURES", "collect", "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "figures"
 
 
-def collect(only: list[str] | None = None) -> dict[str, object]:
-    """``{stem: figure}`` from every viz module that defines ``figures()``."""
-    found: dict[str, object] = {}
-    for info in pkgutil.iter_modules(viz_package.__path__):
-        if only and info.name not in only:
-            continue
-        module = importlib.import_module(f"parallel_lib.viz.{info.name}")
-        make = getattr(module, "figures", None)
-        if make is None:
-            continue
-        for stem, fig in make().items():
-            if stem in found:
-                raise ValueError(f"figure name {stem!r} is defined twice (second time in viz.{info.name})")
-            found[stem] = fig
-    return found
+@dataclass(frozen=True)
+class FigureSpec:
+    """One image under ``figures/``."""
+
+    stem: str                       # file name without ".png"
+    chapter: str                    # "ch00" .. "ch10"
+    measured: bool                  # True: timed on this machine (labelled with it); False: computed, identical every run
+    make: Callable[[], Figure]
+
+
+# ----------------------------------------------------------------------------- chapter 00
+
+def _setup_all_reduce() -> Figure:
+    from parallel_lib.runtime import all_reduce_demo, launch
+    from parallel_lib.viz.setup import plot_all_reduce
+    return plot_all_reduce(launch(all_reduce_demo, 2))
+
+
+def _setup_tiny_loss() -> Figure:
+    from parallel_lib.quickstart import tiny_run
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.viz.setup import plot_loss
+    return plot_loss(tiny_run(), machine_label())
+
+
+# ----------------------------------------------------------------------------- chapters 01-02
+
+def _dp_partitions() -> Figure:
+    from parallel_lib.viz.dp import render_partitions
+    return render_partitions()
+
+
+def _dp_throughput() -> Figure:
+    from parallel_lib.data_parallel import DPConfig, run_dp
+    from parallel_lib.runtime import launch, machine_label
+    from parallel_lib.viz.dp import render_throughput
+
+    config = DPConfig(model="tiny", batch_size=64, epochs=3, train_examples=1024, val_examples=64)
+    runs = {"1 rank": launch(run_dp, 1, replace(config, batch_size=32), threads_per_rank=1, timeout=600),
+            "2 ranks": launch(run_dp, 2, config, threads_per_rank=1, timeout=600)}
+    return render_throughput(runs, title=f"tiny GPT-2, 32 rows per rank and step, one core per rank; "
+                                         f"{machine_label()}")
+
+
+def _ring_steps() -> Figure:
+    from parallel_lib.viz.ring import render_ring_strip
+    return render_ring_strip(4)
+
+
+def _allreduce_bandwidth() -> Figure:
+    from parallel_lib.bench.allreduce import Config, measure
+    from parallel_lib.viz.ring import render_bandwidth
+    return render_bandwidth(measure(Config(sizes=tuple(4**k * 2**10 for k in range(8)), repeats=5)))  # 1 KB..16 MB
+
+
+# ----------------------------------------------------------------------------- chapter 03
+
+def _device_map_12_on_5() -> Figure:
+    from parallel_lib.model_parallel import get_device_map, naive_device_map
+    from parallel_lib.viz.device_map import plot_device_maps
+    return plot_device_maps({"classic: blocks of ceil(12 / 5) = 3": naive_device_map(12, range(5)),
+                             "balanced: get_device_map": get_device_map(12, range(5))},
+                            title="12 GPT-2 layers on 5 devices")
+
+
+def _model_parallel_timeline() -> Figure:
+    from parallel_lib.model_parallel import measure_step_timeline
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.viz.timeline import plot_timeline
+    events = measure_step_timeline()
+    return plot_timeline(events, title=f"tiny GPT-2, one step split over 4 devices ({machine_label()})")
+
+
+def _memory_llama2_7b_v100() -> Figure:
+    from parallel_lib.model_parallel import GiB, model_memory
+    from parallel_lib.viz.memory import plot_memory
+    return plot_memory(model_memory("llama-2-7b", "fp16", "adamw"), 16 * GiB, n_devices=4,
+                       title="LLaMA-2-7B, fp16 mixed precision, AdamW")
+
+
+# ----------------------------------------------------------------------------- chapter 04
+
+def _pipeline_schedules(fractions: Sequence[float] = ()) -> Figure:
+    from parallel_lib.pipeline_parallel import make_schedule
+    from parallel_lib.viz.schedule import render_schedules
+    return render_schedules([make_schedule(name, 4, 8) for name in ("gpipe", "1f1b")], (1.0, 2.0), fractions)
+
+
+# ----------------------------------------------------------------------------- chapter 05
+
+def _strategy_options() -> Figure:
+    from parallel_lib.planner import plan
+    from parallel_lib.viz.strategy import plot_plan
+    return plot_plan(plan("llama-2-7b", 4096, 64, 80, 8))
+
+
+def _strategy_decision_map() -> Figure:
+    from parallel_lib.model_parallel import MODEL_SHAPES
+    from parallel_lib.viz.strategy import plot_decision_map
+    return plot_decision_map(list(MODEL_SHAPES), [1, 2, 4, 8, 16, 32, 64], 80, 2048, 64)
+
+
+FIGURES: list[FigureSpec] = [
+    FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
+    FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
+    FigureSpec("dp_partitions", "ch01", False, _dp_partitions),
+    FigureSpec("dp_throughput", "ch01", True, _dp_throughput),
+    FigureSpec("ring_allreduce_steps", "ch02", False, _ring_steps),
+    FigureSpec("allreduce_bandwidth", "ch02", True, _allreduce_bandwidth),
+    FigureSpec("device_map_12_on_5", "ch03", False, _device_map_12_on_5),
+    FigureSpec("model_parallel_timeline", "ch03", True, _model_parallel_timeline),
+    FigureSpec("memory_llama2_7b_v100", "ch03", False, _memory_llama2_7b_v100),
+    FigureSpec("pipeline_schedules", "ch04", False, _pipeline_schedules),
+    FigureSpec("pipeline_animation", "ch04", False, lambda: _pipeline_schedules((0.2, 0.4, 0.6, 0.8))),
+    FigureSpec("strategy_options_llama2_7b", "ch05", False, _strategy_options),
+    FigureSpec("strategy_decision_map", "ch05", False, _strategy_decision_map),
+]
+
+
+def select(only: Optional[Sequence[str]] = None, static: bool = False) -> list[FigureSpec]:
+    """The entries named by ``only`` (stems or chapters such as "ch04"; all when empty).
+
+    Raises:
+        ValueError: a name in ``only`` that is neither a stem nor a chapter.
+    """
+    known = {f.stem for f in FIGURES} | {f.chapter for f in FIGURES}
+    unknown = sorted(set(only or ()) - known)
+    if unknown:
+        raise ValueError(f"only must name figure stems or chapters, got {unknown}; known: {sorted(known)}")
+    return [f for f in FIGURES
+            if (not only or f.stem in only or f.chapter in only) and not (static and f.measured)]
+
+
+def collect(only: Optional[Sequence[str]] = None, static: bool = False) -> dict[str, Figure]:
+    """``{stem: figure}`` for the selected entries (see :func:`select`)."""
+    return {spec.stem: spec.make() for spec in select(only, static)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the PNG files")
-    parser.add_argument("--only", nargs="*", help="viz module names to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="figure stems or chapters (ch00..ch10) to make (default: all)")
+    parser.add_argument("--static", action="store_true", help="skip the figures measured on this machine")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for stem, fig in collect(args.only).items():
-        path = args.out / f"{stem}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")  # type: ignore[attr-defined]
-        plt.close(fig)  # type: ignore[arg-type]
+    for spec in select(args.only, args.static):
+        fig = spec.make()
+        path = args.out / f"{spec.stem}.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
         print(path)
     return 0
 

@@ -12,9 +12,10 @@ from functools import partial
 import torch
 from torch.utils.data import DataLoader
 
-from .models import build_gpt2
-from .text import collate_batch, get_tokenizer, load_corpus
-from .train import TrainRecord, train
+from parallel_lib.common.models import build_gpt2
+from parallel_lib.common.training import TrainRecord, train
+from parallel_lib.data.corpus import load_corpus
+from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
 
 __all__ = ["tiny_run"]
 

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel_lib.dist import RankInfo, rank_device
+from parallel_lib.runtime import RankInfo, rank_device
 
 
 def describe_rank(rank: int, world_size: int, tag: str = "") -> dict:
@@ -46,3 +46,24 @@ def exit_on_rank_1(rank: int, world_size: int) -> int:
         os._exit(7)
     dist.barrier()
     return rank
+
+
+def count_every_kind(rank: int, world_size: int) -> tuple[dict, float, float]:
+    """Issue one collective of each kind inside ``count_collectives``; return what was counted."""
+    from parallel_lib.runtime.collectives import count_collectives
+
+    x = torch.ones(1000)  # 4000 bytes
+    peer = (rank + 1) % world_size
+    source = (rank - 1) % world_size
+    with count_collectives() as outer:
+        dist.all_reduce(x)
+        with count_collectives() as inner:
+            shard = torch.empty(1000 // world_size)
+            dist.reduce_scatter_tensor(shard, x)
+            dist.all_gather_into_tensor(torch.empty(1000), shard)
+        received = torch.empty(10)
+        ops = [dist.P2POp(dist.isend, torch.full((10,), float(rank)), peer), dist.P2POp(dist.irecv, received, source)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    dist.all_reduce(x)  # after the block: not counted
+    return outer.by_kind(), outer.wire_bytes(), inner.calls_of(), received[0].item()

@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.ring and parallel_lib.allreduce.
+"""Tests for parallel_lib.data_parallel.ring and parallel_lib.data_parallel.allreduce.
 
 Pure parts (the ring's step record, the cost model, bucketing) are checked against
 literal tables and properties. The collectives run in real gloo ranks: each world
@@ -16,10 +16,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel_lib.allreduce import BucketedAllReduce, average_gradients
-from parallel_lib.dist import launch
-from parallel_lib.ring import (algorithm_bandwidth, allreduce_cost, bus_bandwidth, fit_allreduce_cost,
-                               replay_contributions, ring_all_reduce, ring_chunks, ring_steps)
+from parallel_lib.data_parallel import (
+    BucketedAllReduce,
+    algorithm_bandwidth,
+    allreduce_cost,
+    average_gradients,
+    bus_bandwidth,
+    fit_allreduce_cost,
+    replay_contributions,
+    ring_all_reduce,
+    ring_chunks,
+    ring_steps,
+)
+from parallel_lib.runtime import launch
 
 RING_SIZES = (1, 7, 1000, 2**20 + 3)
 VOCAB = 97
@@ -28,7 +37,7 @@ VOCAB = 97
 def _tiny_gpt2(seed: int = 0) -> torch.nn.Module:
     # imported here: ranks spawned for the ring cases import this module but never need
     # transformers, whose import costs seconds per rank
-    from parallel_lib.models import build_gpt2
+    from parallel_lib.common import build_gpt2
     return build_gpt2("tiny", vocab_size=VOCAB, seed=seed)
 
 
@@ -262,7 +271,7 @@ def test_allreduce_bench_table_from_known_times():
 
 def test_allreduce_bench_quick_run_prints_its_table(capsys):
     from parallel_lib.bench.allreduce import main as bench_main
-    from parallel_lib.dist import machine_label
+    from parallel_lib.runtime import machine_label
 
     assert bench_main(["--quick"]) == 0
     out = capsys.readouterr().out

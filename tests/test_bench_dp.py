@@ -10,7 +10,7 @@ import pytest
 
 from parallel_lib.bench.__main__ import main as bench_dispatch
 from parallel_lib.bench.dp import QUICK, Config, Results, markdown, measure
-from parallel_lib.dist import machine_label
+from parallel_lib.runtime import machine_label
 
 
 def test_table_from_known_step_times():

@@ -6,8 +6,15 @@ import random
 import pytest
 import torch
 
-from parallel_lib.device_map import (balance_by_cost, format_device_map, get_device_map, lane_name, naive_device_map,
-                                     resolve_device, validate_device_map)
+from parallel_lib.model_parallel import (
+    balance_by_cost,
+    format_device_map,
+    get_device_map,
+    lane_name,
+    naive_device_map,
+    validate_device_map,
+)
+from parallel_lib.runtime import resolve_device
 
 
 @pytest.mark.parametrize("n_devices", range(1, 9))

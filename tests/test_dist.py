@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.dist: real gloo ranks on the CPU, their failures, and the torchrun path.
+"""Tests for parallel_lib.runtime: real gloo ranks on the CPU, their failures, and the torchrun path.
 
 Each launch spawns processes that import torch (~2 s each), so the multi-process
 cases are few and cover one behaviour each; failure cases use short timeouts.
@@ -16,12 +16,13 @@ import time
 import types
 from pathlib import Path
 
+import _workers
 import pytest
 import torch
 
-import _workers
-from parallel_lib import dist as pdist
-from parallel_lib.dist import LaunchTimeoutError, RankError, RankInfo, launch
+import parallel_lib.runtime as pdist
+from parallel_lib.runtime import LaunchTimeoutError, RankError, RankInfo, launch
+from parallel_lib.runtime.environment import main as environment_main
 
 
 def _live_children() -> list:
@@ -70,7 +71,7 @@ def test_launch_returns_each_ranks_view_in_rank_order():
         assert seen["info"] == RankInfo(rank, 3, rank, 3)
         assert (seen["group_rank"], seen["group_size"]) == (rank, 3)
         assert (seen["backend"], seen["device"], seen["ifname"]) == ("gloo", "cpu", "lo")
-        assert seen["threads"] == max(1, pdist._cpu_count() // 3)
+        assert seen["threads"] == max(1, pdist.cpu_count() // 3)
         assert seen["master"][0] == "127.0.0.1"
     pids = {seen["pid"] for seen in first}
     assert len(pids) == 3 and os.getpid() not in pids
@@ -88,7 +89,7 @@ def test_all_reduce_demo_sums_over_ranks():
 
 
 def test_main_checks_the_setup_with_launched_ranks(capsys):
-    assert pdist.main(["--world-size", "2", "--timeout", "60"]) == 0
+    assert environment_main(["--world-size", "2", "--timeout", "60"]) == 0
     out = capsys.readouterr().out
     assert "rank 1: [2.0, 2.0] -> all_reduce(SUM) -> [3.0, 3.0]" in out
     assert "all_reduce OK: expected 3 on each of 2 ranks" in out
@@ -96,7 +97,7 @@ def test_main_checks_the_setup_with_launched_ranks(capsys):
 
 def test_same_worker_runs_under_torchrun():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "parallel_lib.dist", "--timeout", "60"]
+               "-m", "parallel_lib.runtime", "--timeout", "60"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parent.parent)
 
@@ -244,7 +245,7 @@ def test_devices_and_rank_device_without_gpus():
         pytest.skip("CPU fallback only")
     assert pdist.devices(3) == [torch.device("cpu")] * 3
     assert pdist.rank_device() == torch.device("cpu")
-    with pytest.raises(ValueError, match="n must be a positive int"):
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
         pdist.devices(0)
 
 

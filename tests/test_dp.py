@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.dp: data-parallel training equals one process on the global batch.
+"""Tests for parallel_lib.data_parallel: data-parallel training equals one process on the global batch.
 
 One launch per world size runs every sync method in turn (ranks cost seconds to
 start, a three-step run of the tiny model a fraction of one).
@@ -11,8 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parallel_lib.dist import launch
-from parallel_lib.dp import DPConfig, main, run_dp, run_dp_many, single_process_reference, summarize
+from parallel_lib.data_parallel import DPConfig, run_dp, run_dp_many, single_process_reference, summarize
+from parallel_lib.data_parallel.dp import main
+from parallel_lib.runtime import launch
 
 # SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would hide a
 # wrong loss normalisation; 0.05 MB buckets: several buckets for the tiny model
@@ -118,8 +119,13 @@ def test_command_line_trains_and_prints_a_summary(capsys):
 def test_drift_per_module_and_the_pictures(launched):
     import matplotlib.pyplot as plt
 
-    from parallel_lib.viz.dp import (parameter_drift, render_breakdown, render_drift, render_partitions,
-                                     render_throughput)
+    from parallel_lib.viz.dp import (
+        parameter_drift,
+        render_breakdown,
+        render_drift,
+        render_partitions,
+        render_throughput,
+    )
 
     world_size, config, by_sync = launched
     drift = parameter_drift([r.state for r in by_sync["none"]])

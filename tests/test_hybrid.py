@@ -14,11 +14,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parallel_lib.dist import launch
-from parallel_lib.dp import single_process_reference
-from parallel_lib.hybrid import (HEAD_COPY, HybridConfig, RankGrid, compare_with_reference, gather_state,
-                                 run_hybrid, run_hybrid_many, summarize)
-from parallel_lib.strategy import p2p_bytes
+from parallel_lib.data_parallel import single_process_reference
+from parallel_lib.hybrid import (
+    HEAD_COPY,
+    HybridConfig,
+    RankGrid,
+    compare_with_reference,
+    gather_state,
+    run_hybrid,
+    run_hybrid_many,
+    summarize,
+)
+from parallel_lib.planner import p2p_bytes
+from parallel_lib.runtime import launch
 
 # SGD with a large step: unlike Adam, its update is proportional to the gradient, so a
 # wrong loss normalisation or a gradient summed instead of averaged changes the parameters

@@ -7,11 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from parallel_lib.device_map import get_device_map
-from parallel_lib.model_parallel import (balance_by_params, balance_by_time, deparallelize, parallelize,
-                                         parallelize_sequential, placement, record_timeline)
-from parallel_lib.models import build_gpt2, count_parameters
-from parallel_lib.timeline import max_concurrency
+from parallel_lib.common import build_gpt2, count_parameters, max_concurrency
+from parallel_lib.model_parallel import (
+    balance_by_params,
+    balance_by_time,
+    deparallelize,
+    get_device_map,
+    parallelize,
+    parallelize_sequential,
+    placement,
+    record_timeline,
+)
 
 VOCAB = 256  # small head: the tests time the blocks, not a 50k-wide matmul
 

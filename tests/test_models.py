@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from parallel_lib.models import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
+from parallel_lib.common import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
 
 
 def test_gpt2_shape_is_the_real_124m_model():

@@ -5,10 +5,20 @@ import matplotlib
 import matplotlib.pyplot as plt
 import pytest
 
-from parallel_lib.pipeline.schedule import (Action, Schedule, _clock_cycles, bubble_fraction, gpipe, in_flight,
-                                            make_schedule, one_f_one_b, simulate, stage_costs_from_events,
-                                            validate_schedule)
-from parallel_lib.timeline import Event, idle_fraction, makespan
+from parallel_lib.common import Event, idle_fraction, makespan
+from parallel_lib.pipeline_parallel import (
+    Action,
+    Schedule,
+    bubble_fraction,
+    gpipe,
+    in_flight,
+    make_schedule,
+    one_f_one_b,
+    simulate,
+    stage_costs_from_events,
+    validate_schedule,
+)
+from parallel_lib.pipeline_parallel.schedule import _clock_cycles
 from parallel_lib.viz.schedule import bubble_until, render_schedule, schedule_widget
 
 SIZES = [(m, p) for m in range(1, 9) for p in range(1, 9)]

@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.strategy (the planner), parallel_lib.compare's pure parts and the widget.
+"""Tests for parallel_lib.planner.strategy (the planner), parallel_lib.planner.compare's pure parts and the widget.
 
 The planner must agree with the formulas it is built from (memory, bubble, ring
 all-reduce), pick sensibly, and refuse bad input with a message that names it.
@@ -12,15 +12,22 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from parallel_lib.compare import Measured, _handover_bytes, markdown_table  # noqa: E402
-from parallel_lib.device_map import get_device_map  # noqa: E402
+from parallel_lib.common import build_gpt2  # noqa: E402
 from parallel_lib.exercises import solutions  # noqa: E402
-from parallel_lib.memory import GiB, MODEL_SHAPES, ModelShape, activation_memory, training_memory  # noqa: E402
-from parallel_lib.model_parallel import parallelize  # noqa: E402
-from parallel_lib.models import build_gpt2  # noqa: E402
-from parallel_lib.pipeline import bubble_fraction  # noqa: E402
-from parallel_lib.strategy import STRATEGIES, p2p_bytes, plan, ring_bytes  # noqa: E402
-from parallel_lib.viz.strategy import figures, strategy_widget  # noqa: E402
+from parallel_lib.figures import collect  # noqa: E402
+from parallel_lib.model_parallel import (  # noqa: E402
+    MODEL_SHAPES,
+    GiB,
+    ModelShape,
+    activation_memory,
+    get_device_map,  # noqa: E402
+    parallelize,  # noqa: E402
+    training_memory,
+)
+from parallel_lib.pipeline_parallel import bubble_fraction  # noqa: E402
+from parallel_lib.planner import STRATEGIES, Measured, markdown_table, p2p_bytes, plan, ring_bytes  # noqa: E402
+from parallel_lib.planner.compare import _handover_bytes  # noqa: E402
+from parallel_lib.viz.strategy import strategy_widget  # noqa: E402
 
 GPT2 = MODEL_SHAPES["gpt2 (124M)"]
 LLAMA_7B = MODEL_SHAPES["llama-2-7b"]
@@ -152,7 +159,7 @@ def test_widget_recomputes_when_a_control_changes():
 
 
 def test_figures_are_drawn_from_the_planner():
-    drawn = figures()
+    drawn = collect(["ch05"])
     assert set(drawn) == {"strategy_options_llama2_7b", "strategy_decision_map"}
     assert all(fig.axes for fig in drawn.values())
     for fig in drawn.values():

@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.text and the corpus grammar behind it."""
+"""Tests for parallel_lib.data and the corpus grammar behind it."""
 
 import json
 import re
@@ -11,12 +11,14 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from parallel_lib import _corpus as g
-from parallel_lib import _corpus_lexicon as lex
-from parallel_lib import text
-from parallel_lib._corpus import ACC, Clause, english, german, noun, noun_phrase, pronoun, verb
-from parallel_lib._corpus_templates import generate_pairs
-from parallel_lib.text import collate_batch, get_tokenizer, load_corpus, load_hf_translation
+import parallel_lib.data.corpus as corpus_module
+import parallel_lib.data.tokenizer as tokenizer_module
+from parallel_lib import data as text
+from parallel_lib.data import _corpus_grammar as g
+from parallel_lib.data import _corpus_lexicon as lex
+from parallel_lib.data import collate_batch, get_tokenizer, load_corpus, load_hf_translation
+from parallel_lib.data._corpus_grammar import ACC, Clause, english, german, noun, noun_phrase, pronoun, verb
+from parallel_lib.data._corpus_templates import generate_pairs
 
 VOCAB = 512  # the same as test_train's, so the in-memory cache trains it once per session
 
@@ -48,7 +50,7 @@ def test_generation_is_seeded_and_fast():
     start = time.perf_counter()
     pairs = generate_pairs(20_000, text.CORPUS_SEED)
     seconds = time.perf_counter() - start
-    assert pairs == list(text._corpus_pairs())  # the same corpus in any process
+    assert pairs == list(corpus_module._corpus_pairs())  # the same corpus in any process
     assert generate_pairs(50, 1) != pairs[:50]
     assert seconds < 6, f"generating the corpus took {seconds:.1f} s (about 1 s on an idle laptop)"
 
@@ -217,9 +219,9 @@ def test_tokenizer_save_and_reload(tokenizer, tmp_path):
 
 
 def test_tokenizer_training_is_cached_and_vocab_size_matters(tokenizer):
-    hits = text._train_bpe.cache_info().hits
+    hits = tokenizer_module._train_bpe.cache_info().hits
     again = get_tokenizer(load_corpus("train"), vocab_size=VOCAB)
-    assert text._train_bpe.cache_info().hits == hits + 1 and again is not tokenizer
+    assert tokenizer_module._train_bpe.cache_info().hits == hits + 1 and again is not tokenizer
     small = get_tokenizer(load_corpus("train", 2000), vocab_size=300)
     sentence = load_corpus("test")[0]["de"]
     assert len(small.encode(sentence)) > len(tokenizer.encode(sentence))
@@ -286,7 +288,7 @@ def test_collate_rejects_bad_arguments(tokenizer):
     examples = load_corpus("test", 2)
     with pytest.raises(ValueError, match="at least one pair"):
         collate_batch([], "de", "en", tokenizer, 64)
-    with pytest.raises(ValueError, match="model_max_length must be a positive int, got model_max_length=0"):
+    with pytest.raises(ValueError, match="model_max_length must be an int >= 1, got model_max_length=0"):
         collate_batch(examples, "de", "en", tokenizer, 0)
     no_pad = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token=text.EOS_TOKEN)
     with pytest.raises(ValueError, match="pad_token_id=None"):

@@ -3,8 +3,16 @@ import pytest
 
 matplotlib.use("Agg")
 
-from parallel_lib.timeline import (Event, TimelineRecorder, busy_time, idle_fraction, lanes, makespan,  # noqa: E402
-                                   max_concurrency, synchronize_devices)
+from parallel_lib.common import (
+    Event,
+    TimelineRecorder,
+    busy_time,
+    idle_fraction,
+    lanes,
+    makespan,
+    max_concurrency,
+    synchronize_devices,
+)
 from parallel_lib.viz.timeline import plot_timeline  # noqa: E402
 
 

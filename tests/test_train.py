@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.train: the weighted loss, the step order, the record, evaluation."""
+"""Tests for parallel_lib.common.training: the weighted loss, the step order, the record, evaluation."""
 
 import functools
 import math
@@ -7,10 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel_lib.data import partition_dataset
-from parallel_lib.models import build_gpt2
-from parallel_lib.text import collate_batch, get_tokenizer, load_corpus
-from parallel_lib.train import TrainRecord, evaluate, forward_loss, train, weighted_cross_entropy
+from parallel_lib.common import TrainRecord, build_gpt2, evaluate, forward_loss, train, weighted_cross_entropy
+from parallel_lib.data import collate_batch, get_tokenizer, load_corpus, partition_dataset
 
 VOCAB = 512  # the same as test_text's, so the in-memory cache trains it once per session
 

@@ -24,8 +24,16 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..dist import launch, machine_label, rank_device
-from ..ring import algorithm_bandwidth, allreduce_cost, bus_bandwidth, fit_allreduce_cost, ring_all_reduce
+from parallel_lib.data_parallel.ring import (
+    algorithm_bandwidth,
+    allreduce_cost,
+    bus_bandwidth,
+    fit_allreduce_cost,
+    ring_all_reduce,
+)
+from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "Results", "measure", "markdown", "main"]
 

@@ -26,8 +26,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..dist import launch, machine_label
-from ..dp import SYNC_METHODS, DPConfig, run_dp, train_replica
+from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, run_dp, train_replica
+from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "Results", "measure", "markdown", "main"]
 

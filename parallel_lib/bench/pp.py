@@ -4,7 +4,7 @@ Two stages of the same MLP, one training step (forward, MSE loss, backward) time
 for m = 1, 2, 4, 8 micro-batches by:
 
 - plain model parallelism: one thread runs stage 0, then stage 1 (the baseline);
-- :class:`parallel_lib.pipeline.Pipe` with GPipe and with 1F1B (one thread per stage);
+- :class:`parallel_lib.pipeline_parallel.Pipe` with GPipe and with 1F1B (one thread per stage);
 - ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B`` on the same
   stages, one gloo process per stage (NCCL and a GPU each where there are two).
 
@@ -30,9 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import devices as stage_devices, launch, machine_label, rank_device
-from ..pipeline import Pipe
-from ..timeline import synchronize_devices
+from parallel_lib.common.timeline import synchronize_devices
+from parallel_lib.pipeline_parallel.pipe import Pipe
+from parallel_lib.runtime.device import devices as stage_devices
+from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "Results", "make_stages", "run", "markdown", "main"]
 

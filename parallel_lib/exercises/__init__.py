@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._core import CheckResult, Exercise
+from parallel_lib.exercises._core import CheckResult, Exercise
 
 # Checkers are imported on first use (PEP 562): chapter 02's checker runs in spawned ranks,
 # which import this package, and should not pay for chapter 03's transformers import there.

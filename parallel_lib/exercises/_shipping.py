@@ -1,6 +1,6 @@
 """Send a function written in a notebook cell to spawned ranks, as its source.
 
-``parallel_lib.dist.launch`` starts fresh interpreters, which import a worker function
+``parallel_lib.runtime.launcher`` starts fresh interpreters, which import a worker function
 by module and name; a function defined in a notebook cell lives in the kernel's
 ``__main__`` and cannot be imported there. So the checker ships the student's
 *source* (IPython keeps every cell's source, and ``inspect.getsource`` finds it),

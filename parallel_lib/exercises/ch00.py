@@ -6,9 +6,18 @@ from typing import Any, Optional
 
 import torch
 
-from ..ring import ring_chunks
-from . import solutions
-from ._core import Case, CheckResult, Exercise, as_int, as_number, check_function, check_value, show
+from parallel_lib.data_parallel.ring import ring_chunks
+from parallel_lib.exercises import solutions
+from parallel_lib.exercises._core import (
+    Case,
+    CheckResult,
+    Exercise,
+    as_int,
+    as_number,
+    check_function,
+    check_value,
+    show,
+)
 
 __all__ = ["check_rank_slice", "check_all_reduce_prediction", "EXERCISES"]
 
@@ -53,7 +62,7 @@ def _slice_hint(args: tuple, got: Any) -> str:
 
 
 def check_rank_slice(fn: Any) -> CheckResult:
-    """Check ``rank_slice(numel, rank, world_size)`` against ``parallel_lib.ring.ring_chunks``."""
+    """Check ``rank_slice(numel, rank, world_size)`` against ``parallel_lib.data_parallel.ring.ring_chunks``."""
     return check_function("rank_slice", fn, "rank_slice", _slice_cases(), normalise=_as_bounds, hint=_slice_hint)
 
 

@@ -8,10 +8,21 @@ from typing import Any, Optional
 
 import torch
 
-from ..data import DataPartitioner, partition_dataset
-from . import solutions
-from ._core import (Case, CheckResult, Exercise, as_int, check_function, failed, is_stub, passed, require_callable,
-                    show, stub_result)
+from parallel_lib.data.partition import DataPartitioner, partition_dataset
+from parallel_lib.exercises import solutions
+from parallel_lib.exercises._core import (
+    Case,
+    CheckResult,
+    Exercise,
+    as_int,
+    check_function,
+    failed,
+    is_stub,
+    passed,
+    require_callable,
+    show,
+    stub_result,
+)
 
 __all__ = ["check_partition_indices", "check_local_batch_size", "check_steps_per_epoch", "EXERCISES"]
 

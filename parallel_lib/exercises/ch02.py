@@ -1,7 +1,7 @@
 """Exercises for chapter 02: averaging gradients over real ranks, and the ring all-reduce's steps.
 
 ``check_average_gradients`` runs the student's function where it matters: in
-``_WORLD`` real gloo ranks started by ``parallel_lib.dist.launch``, each holding the
+``_WORLD`` real gloo ranks started by ``parallel_lib.runtime.launcher``, each holding the
 gradients of its own batch (see ``_shipping`` for how a notebook function gets there).
 Before paying for the spawn, it calls the function once in this process, in a
 one-rank group, so that a crash is reported at once and with its own traceback line.
@@ -16,13 +16,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..allreduce import average_gradients
-from ..dist import LaunchTimeoutError, RankError, launch
-from ..ring import ring_steps
-from . import solutions
-from ._core import (Case, CheckResult, Exercise, as_int, as_number, check_function, failed, is_stub, passed,
-                    require_callable, same_number, show, stub_result)
-from ._shipping import ShippedFunction, ship
+from parallel_lib.data_parallel.allreduce import average_gradients
+from parallel_lib.data_parallel.ring import ring_steps
+from parallel_lib.exercises import solutions
+from parallel_lib.exercises._core import (
+    Case,
+    CheckResult,
+    Exercise,
+    as_int,
+    as_number,
+    check_function,
+    failed,
+    is_stub,
+    passed,
+    require_callable,
+    same_number,
+    show,
+    stub_result,
+)
+from parallel_lib.exercises._shipping import ShippedFunction, ship
+from parallel_lib.runtime.launcher import LaunchTimeoutError, RankError, launch
 
 __all__ = ["check_average_gradients", "check_ring_bytes_sent", "check_ring_send_chunk", "EXERCISES"]
 
@@ -208,7 +221,7 @@ def _chunk_hint(args: tuple, got: Any) -> str:
 
 
 def check_ring_send_chunk(fn: Any) -> CheckResult:
-    """Check ``ring_send_chunk(rank, step, world_size)`` against ``parallel_lib.ring.ring_steps``."""
+    """Check ``ring_send_chunk(rank, step, world_size)`` against ``parallel_lib.data_parallel.ring.ring_steps``."""
     cases = [Case((t.src, s, n), t.chunk) for n in (2, 3, 4, 5)
              for s, step in enumerate(ring_steps(n, n)) for t in step.transfers]
     return check_function("ring_send_chunk", fn, "ring_send_chunk", cases, normalise=as_int, hint=_chunk_hint)

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..device_map import get_device_map, naive_device_map, validate_device_map
-from ..memory import training_memory
-from . import solutions
-from ._core import Case, CheckResult, Exercise, as_int, as_number, check_function, same_number, show
+from parallel_lib.exercises import solutions
+from parallel_lib.exercises._core import (
+    Case,
+    CheckResult,
+    Exercise,
+    as_int,
+    as_number,
+    check_function,
+    same_number,
+    show,
+)
+from parallel_lib.model_parallel.device_map import get_device_map, naive_device_map, validate_device_map
+from parallel_lib.model_parallel.memory import training_memory
 
 __all__ = ["check_balanced_device_map", "check_training_bytes", "EXERCISES"]
 
@@ -81,7 +90,7 @@ def _training_hint(args: tuple, got: Any) -> str:
 
 
 def check_training_bytes(fn: Any) -> CheckResult:
-    """Check ``training_bytes(n_params, dtype, optimizer)`` against ``parallel_lib.memory.training_memory``."""
+    """Check ``training_bytes(n_params, dtype, optimizer)`` against ``parallel_lib.model_parallel.memory.training_memory``."""
     shapes = [(1000, "fp16", "adamw"), (124_439_808, "fp16", "adamw"), (1000, "fp32", "adamw"),
               (1000, "bf16", "sgd_momentum"), (1000, "fp32", "sgd"), (1000, "fp16", None), (1000, "fp32", None)]
     cases = [Case(shape, training_memory(*shape).total) for shape in shapes]

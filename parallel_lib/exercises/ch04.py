@@ -6,9 +6,18 @@ import itertools
 import re
 from typing import Any, Optional
 
-from ..pipeline.schedule import Action, _clock_cycles, bubble_fraction, gpipe, one_f_one_b
-from . import solutions
-from ._core import Case, CheckResult, Exercise, as_int, as_number, check_function, same_number, show
+from parallel_lib.exercises import solutions
+from parallel_lib.exercises._core import (
+    Case,
+    CheckResult,
+    Exercise,
+    as_int,
+    as_number,
+    check_function,
+    same_number,
+    show,
+)
+from parallel_lib.pipeline_parallel.schedule import Action, _clock_cycles, bubble_fraction, gpipe, one_f_one_b
 
 __all__ = ["check_clock_cycles", "check_pipeline_bubble", "check_one_f_one_b_order", "EXERCISES"]
 
@@ -73,7 +82,7 @@ def _bubble_hint(args: tuple, got: Any) -> str:
 
 
 def check_pipeline_bubble(fn: Any) -> CheckResult:
-    """Check ``pipeline_bubble(p, m)`` against ``parallel_lib.pipeline.bubble_fraction``."""
+    """Check ``pipeline_bubble(p, m)`` against ``parallel_lib.pipeline_parallel.bubble_fraction``."""
     shapes = [(4, 8), (2, 4), (1, 5), (4, 1), (8, 32), (3, 3)]
     cases = [Case(shape, bubble_fraction(*shape)) for shape in shapes]
     return check_function("pipeline_bubble", fn, "pipeline_bubble", cases, normalise=as_number,

@@ -1,6 +1,6 @@
 """Exercises for chapter 05: memory per device under a plan, and choosing stages and replicas.
 
-Both use the course's standard estimate, ``parallel_lib.memory.training_memory`` for
+Both use the course's standard estimate, ``parallel_lib.model_parallel.memory.training_memory`` for
 mixed-precision Adam (16 bytes per parameter, activations left out), so the answers
 can be checked exactly; chapter 05 discusses what the estimate leaves out.
 """
@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..memory import GiB, MODEL_SHAPES, training_memory
-from . import solutions
-from ._core import Case, CheckResult, Exercise, as_int, as_number, check_function, same_number, show
+from parallel_lib.exercises import solutions
+from parallel_lib.exercises._core import (
+    Case,
+    CheckResult,
+    Exercise,
+    as_int,
+    as_number,
+    check_function,
+    same_number,
+    show,
+)
+from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB, training_memory
 
 __all__ = ["check_bytes_per_device", "check_plan_parallelism", "EXERCISES"]
 

@@ -2,12 +2,11 @@
 
 Each function draws what the library produced: the partition comes from
 ``PartitionSampler`` (the sampler ``partition_dataset`` uses), the speed and time
-plots from :class:`parallel_lib.dp.DPResult` records, the drift from final states.
+plots from :class:`parallel_lib.data_parallel.DPResult` records, the drift from final states.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Mapping, Optional, Sequence
 
 import matplotlib.pyplot as plt
@@ -16,12 +15,11 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..data import PartitionSampler
-from ..dp import DPResult
-from .ring import rank_color
+from parallel_lib.data.partition import PartitionSampler
+from parallel_lib.data_parallel.dp import DPResult
+from parallel_lib.viz.ring import rank_color
 
-__all__ = ["render_partitions", "render_throughput", "render_breakdown", "parameter_drift", "render_drift",
-           "figures"]
+__all__ = ["render_partitions", "render_throughput", "render_breakdown", "parameter_drift", "render_drift"]
 
 
 def render_partitions(num_examples: int = 20, world_size: int = 2, batch_size: int = 4, seed: int = 1234,
@@ -137,15 +135,3 @@ def render_drift(drifts: Mapping[str, Mapping[str, float]], ax: Optional[Axes] =
     ax.set(ylabel="|θ_rank − θ_0| / |θ_0|", title="how far replicas end up from rank 0's")
     ax.legend()
     return ax.figure  # type: ignore[return-value]
-
-
-def figures() -> dict[str, Figure]:
-    """The partition of a small data set (deterministic), and 1 vs 2 ranks measured on this machine."""
-    from ..dist import launch, machine_label  # launches ranks: only when figures are made
-    from ..dp import DPConfig, run_dp
-
-    config = DPConfig(model="tiny", batch_size=64, epochs=3, train_examples=1024, val_examples=64)
-    runs = {"1 rank": launch(run_dp, 1, replace(config, batch_size=32), threads_per_rank=1, timeout=600),
-            "2 ranks": launch(run_dp, 2, config, threads_per_rank=1, timeout=600)}
-    title = f"tiny GPT-2, 32 rows per rank and step, one core per rank; {machine_label()}"
-    return {"dp_partitions": render_partitions(), "dp_throughput": render_throughput(runs, title=title)}

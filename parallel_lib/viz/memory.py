@@ -1,6 +1,6 @@
 """The memory calculator: per-device training memory as stacked bars, and its widget.
 
-Everything drawn comes from :mod:`parallel_lib.memory`'s estimates; the widget only
+Everything drawn comes from :mod:`parallel_lib.model_parallel.memory`'s estimates; the widget only
 re-draws :func:`plot_memory` when a control changes, so the static figure under
 ``figures/`` and the interactive one are the same picture.
 """
@@ -13,9 +13,16 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..memory import DTYPE_BYTES, MODEL_SHAPES, GiB, TrainingMemory, memory_verdict, model_memory
+from parallel_lib.model_parallel.memory import (
+    DTYPE_BYTES,
+    MODEL_SHAPES,
+    GiB,
+    TrainingMemory,
+    memory_verdict,
+    model_memory,
+)
 
-__all__ = ["plot_memory", "memory_calculator", "figures"]
+__all__ = ["plot_memory", "memory_calculator"]
 
 PARTS = {  # TrainingMemory field -> (legend, colour)
     "weights": ("weights", "#4C72B0"),
@@ -34,7 +41,7 @@ def plot_memory(estimate: TrainingMemory, device_bytes: float, n_devices: int = 
     """Stacked per-device memory for 1..max_devices devices, against one device's capacity.
 
     Args:
-        estimate: whole-model bytes by kind (:func:`parallel_lib.memory.training_memory`).
+        estimate: whole-model bytes by kind (:func:`parallel_lib.model_parallel.memory.training_memory`).
         device_bytes: memory of one device; drawn as a dashed line.
         n_devices: the bar to outline (the reader's choice).
         max_devices: rightmost bar (raised to ``n_devices`` if smaller).
@@ -96,9 +103,3 @@ def memory_calculator(model: str = "llama-2-7b", dtype: str = "fp16", optimizer:
     output = w.interactive_output(_draw, controls)
     boxes = list(controls.values())
     return w.VBox([w.HBox(boxes[:3]), w.HBox(boxes[3:]), output])
-
-
-def figures() -> dict[str, Figure]:
-    """LLaMA-2-7B with mixed-precision AdamW on 16 GiB V100s: why one, two or four cards are not enough."""
-    return {"memory_llama2_7b_v100": plot_memory(model_memory("llama-2-7b", "fp16", "adamw"), 16 * GiB, n_devices=4,
-                                                 title="LLaMA-2-7B, fp16 mixed precision, AdamW")}

@@ -1,7 +1,7 @@
 """The ring all-reduce drawn step by step, and its measured bandwidth against the model.
 
-Every frame is a replay of :func:`parallel_lib.ring.ring_steps`, the record that
-:func:`~parallel_lib.ring.ring_all_reduce` executes, so the animation shows exactly
+Every frame is a replay of :func:`parallel_lib.data_parallel.ring.ring_steps`, the record that
+:func:`~parallel_lib.data_parallel.ring.ring_all_reduce` executes, so the animation shows exactly
 the messages the code sends. Each rank's buffer is a row of ``world_size`` chunks;
 a chunk is striped with the colour of every rank whose data is summed into it, so a
 chunk in all colours is fully reduced. :func:`render_ring` is a pure function
@@ -19,10 +19,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from ..ring import allreduce_cost, bus_bandwidth, replay_contributions, ring_steps
+from parallel_lib.data_parallel.ring import allreduce_cost, bus_bandwidth, replay_contributions, ring_steps
 
-__all__ = ["rank_color", "frame_caption", "render_ring", "render_ring_strip", "render_bandwidth", "ring_widget",
-           "figures"]
+__all__ = ["rank_color", "frame_caption", "render_ring", "render_ring_strip", "render_bandwidth", "ring_widget"]
 
 _CHUNK_W, _CHUNK_H = 0.26, 0.34  # one chunk's box, in axes units (the ring has radius 1)
 
@@ -202,11 +201,3 @@ def ring_widget(world_size: int = 4, world_sizes: tuple[int, ...] = (2, 3, 4, 5,
     frame.observe(redraw, names="value")
     redraw()
     return w.VBox([w.HBox([size, play, frame]), caption, output])
-
-
-def figures() -> dict[str, Figure]:
-    """The 4-rank ring frame by frame, and bandwidth vs size measured on this machine."""
-    from ..bench.allreduce import Config, measure  # launches ranks: only when figures are made
-
-    config = Config(sizes=tuple(4**k * 2**10 for k in range(8)), repeats=5)  # 1 KB .. 16 MB
-    return {"ring_allreduce_steps": render_ring_strip(4), "allreduce_bandwidth": render_bandwidth(measure(config))}

@@ -1,7 +1,7 @@
 """Pipeline schedules drawn tick by tick: the animation of chapter 04 and its still frames.
 
-Every picture here is :func:`parallel_lib.pipeline.simulate` of a schedule object
-from :mod:`parallel_lib.pipeline.schedule`, the same objects :class:`~parallel_lib.pipeline.Pipe`
+Every picture here is :func:`parallel_lib.pipeline_parallel.simulate` of a schedule object
+from :mod:`parallel_lib.pipeline_parallel.schedule`, the same objects :class:`~parallel_lib.pipeline_parallel.Pipe`
 executes, so the animation cannot show a schedule other than the one that runs.
 :func:`render_schedule` is a pure function (schedule, tick) -> figure: the widget
 calls it on every tick, and :func:`figures` calls it for the static images.
@@ -16,11 +16,19 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..pipeline.schedule import Schedule, StageCost, bubble_fraction, in_flight, make_schedule, simulate, stage_lane
-from ..timeline import Event, busy_time, makespan
-from .timeline import KIND_COLORS
+from parallel_lib.common.timeline import Event, busy_time, makespan
+from parallel_lib.pipeline_parallel.schedule import (
+    Schedule,
+    StageCost,
+    bubble_fraction,
+    in_flight,
+    make_schedule,
+    simulate,
+    stage_lane,
+)
+from parallel_lib.viz.timeline import KIND_COLORS
 
-__all__ = ["bubble_until", "render_schedule", "schedule_widget", "figures"]
+__all__ = ["bubble_until", "render_schedule", "render_schedules", "schedule_widget"]
 
 Costs = Union[StageCost, Sequence[StageCost]]
 
@@ -136,20 +144,22 @@ def schedule_widget(schedule: str = "gpipe", stages: int = 4, micro_batches: int
     return w.VBox([w.HBox([pick, cost]), w.HBox([p, m]), w.HBox([play, tick]), status, output])
 
 
-def figures() -> dict[str, Figure]:
-    """GPipe and 1F1B for 4 stages and 8 micro-batches, finished and as animation frames."""
-    p, m, costs = 4, 8, (1.0, 2.0)
-    schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b")]
-    full, axes = plt.subplots(2, 1, figsize=(12, 6))
-    for schedule, ax in zip(schedules, axes):
-        render_schedule(schedule, None, costs, ax=ax, title=f"{schedule.name} (backward = 2 × forward)")
-    full.tight_layout()
-    total = makespan(simulate(schedules[0], costs))
-    ticks = [round(total * f) for f in (0.2, 0.4, 0.6, 0.8)]
-    strip, grid = plt.subplots(2, len(ticks), figsize=(5.5 * len(ticks), 6.5), squeeze=False)
+def render_schedules(schedules: Sequence[Schedule], stage_costs: Costs = (1.0, 2.0),
+                     fractions: Sequence[float] = ()) -> Figure:
+    """Each schedule finished (one row each), or frame by frame at ``fractions`` of GPipe's step time."""
+    if not fractions:
+        fig, axes = plt.subplots(len(schedules), 1, figsize=(12, 3 * len(schedules)), squeeze=False)
+        for schedule, ax in zip(schedules, axes[:, 0]):
+            render_schedule(schedule, None, stage_costs, ax=ax, title=f"{schedule.name} (backward = 2 × forward)")
+        fig.tight_layout()
+        return fig
+    total = makespan(simulate(schedules[0], stage_costs))
+    ticks = [round(total * f) for f in fractions]
+    fig, grid = plt.subplots(len(schedules), len(ticks), figsize=(5.5 * len(ticks), 3.25 * len(schedules)),
+                             squeeze=False)
     for row, schedule in enumerate(schedules):
         for col, tick in enumerate(ticks):
-            render_schedule(schedule, tick, costs, ax=grid[row][col], title=schedule.name)
-    strip.suptitle("The pipeline animation, frame by frame (Play in notebook 04 to run it)")
-    strip.tight_layout()
-    return {"pipeline_schedules": full, "pipeline_animation": strip}
+            render_schedule(schedule, tick, stage_costs, ax=grid[row][col], title=schedule.name)
+    fig.suptitle("The pipeline animation, frame by frame (Play in notebook 04 to run it)")
+    fig.tight_layout()
+    return fig

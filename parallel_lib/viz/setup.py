@@ -1,7 +1,7 @@
 """Chapter 00's pictures: what an all-reduce left on each rank, and the tiny model's loss.
 
 Both draw what the library returned: the ``(rank, before, after)`` triples of
-``dist.all_reduce_demo`` run by ``dist.launch``, and a ``train.TrainRecord`` from
+``all_reduce_demo`` run by ``launch``, and a ``train.TrainRecord`` from
 ``quickstart.tiny_run``. ``figures()`` runs that same code, so the images under
 ``figures/`` show a real run, labelled with the machine it ran on.
 """
@@ -16,11 +16,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..dist import all_reduce_demo, launch, machine_label
-from ..quickstart import tiny_run
-from ..train import TrainRecord
+from parallel_lib.common.training import TrainRecord
 
-__all__ = ["plot_all_reduce", "plot_loss", "figures"]
+__all__ = ["plot_all_reduce", "plot_loss"]
 
 CMAP = plt.get_cmap("tab10")  # one colour per rank
 
@@ -79,9 +77,3 @@ def plot_loss(record: TrainRecord, machine: str, skip: int = 2,
     ax.grid(alpha=0.3)
     ax.figure.tight_layout()
     return ax.figure
-
-
-def figures() -> dict[str, Figure]:
-    """Two CPU ranks all-reducing a tensor, and 40 steps of the tiny model (a real run each)."""
-    return {"setup_all_reduce": plot_all_reduce(launch(all_reduce_demo, 2)),
-            "setup_tiny_loss": plot_loss(tiny_run(), machine_label())}

@@ -1,7 +1,7 @@
 """Choosing a strategy, drawn: the planner's options, the decision map, the widget, measured bars.
 
-Every number drawn here comes from :func:`parallel_lib.strategy.plan` (estimates) or
-from the measured runs of :mod:`parallel_lib.compare` and :mod:`parallel_lib.hybrid`;
+Every number drawn here comes from :func:`parallel_lib.planner.strategy.plan` (estimates) or
+from the measured runs of :mod:`parallel_lib.planner.compare` and :mod:`parallel_lib.hybrid`;
 the widget only calls :func:`plot_plan` and ``Plan.explain`` again when a control
 changes, so the static figure and the interactive one are the same picture.
 """
@@ -16,11 +16,11 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..memory import GiB, MODEL_SHAPES
-from ..strategy import STRATEGIES, Plan, plan
-from .memory import DEVICE_GIB, PARTS
+from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
+from parallel_lib.planner.strategy import STRATEGIES, Plan, plan
+from parallel_lib.viz.memory import DEVICE_GIB, PARTS
 
-__all__ = ["plot_plan", "plot_decision_map", "plot_measured", "strategy_widget", "figures"]
+__all__ = ["plot_plan", "plot_decision_map", "plot_measured", "strategy_widget"]
 
 STRATEGY_COLORS = {"DP": "#4C72B0", "MP": "#8172B3", "PP": "#DD8452", "DP×PP": "#55A868"}
 LINKS = [("PCIe 4.0 x16 · 25 GB/s", 25e9), ("NVLink (A100) · 300 GB/s", 300e9),
@@ -154,9 +154,3 @@ def strategy_widget(model: str = "llama-2-7b", seq_len: int = 4096, batch_size: 
     redraw()
     boxes = list(controls.values())
     return w.VBox([w.HBox(boxes[:3]), w.HBox(boxes[3:]), report, output])
-
-
-def figures() -> dict[str, Figure]:
-    """LLaMA-2-7B on 8 x 80 GiB, every strategy; and the planner's pick by model and GPU count."""
-    return {"strategy_options_llama2_7b": plot_plan(plan("llama-2-7b", 4096, 64, 80, 8)),
-            "strategy_decision_map": plot_decision_map(list(MODEL_SHAPES), [1, 2, 4, 8, 16, 32, 64], 80, 2048, 64)}

@@ -1,4 +1,4 @@
-"""A Gantt chart of :class:`parallel_lib.timeline.Event` lists.
+"""A Gantt chart of :class:`parallel_lib.common.timeline.Event` lists.
 
 Used for measured model-parallel timelines (ch. 03), measured and simulated
 pipeline timelines (ch. 04) and data-parallel ranks; one function so that a
@@ -14,7 +14,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..timeline import Event, idle_fraction, lanes as lanes_of
+from parallel_lib.common.timeline import Event, idle_fraction
+from parallel_lib.common.timeline import lanes as lanes_of
 
 __all__ = ["KIND_COLORS", "plot_timeline"]
 

@@ -1,0 +1,44 @@
+"""What every chapter shares: timeline events, GPT-2 by size, the training loop,
+argument checks and markdown tables.
+"""
+
+from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
+from parallel_lib.common.models import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
+from parallel_lib.common.tables import markdown_table
+from parallel_lib.common.timeline import (
+    Event,
+    TimelineRecorder,
+    busy_time,
+    idle_fraction,
+    lanes,
+    makespan,
+    max_concurrency,
+    synchronize_devices,
+)
+from parallel_lib.common.training import TrainRecord, evaluate, forward_loss, train, weighted_cross_entropy
+
+__all__ = [
+    "check_int",
+    "positive_int",
+    "check_number",
+    "positive_number",
+    "check_choice",
+    "GPT2_SIZES",
+    "gpt2_config",
+    "build_gpt2",
+    "count_parameters",
+    "markdown_table",
+    "Event",
+    "TimelineRecorder",
+    "synchronize_devices",
+    "lanes",
+    "makespan",
+    "busy_time",
+    "max_concurrency",
+    "idle_fraction",
+    "TrainRecord",
+    "weighted_cross_entropy",
+    "forward_loss",
+    "train",
+    "evaluate",
+]

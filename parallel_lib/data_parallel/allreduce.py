@@ -1,0 +1,216 @@
+"""Averaging gradients across data-parallel ranks: the classic loop, then buckets.
+
+After ``loss.backward()`` every rank holds the gradient of its own shard of the
+batch; averaging them over ranks gives every replica the gradient of the whole
+batch, so the replicas take identical optimizer steps and stay identical.
+
+- :func:`average_gradients` is the classic tutorial's version, kept for
+  understanding: one blocking ``all_reduce`` per parameter. A GPT-2 has ~150
+  parameter tensors, so it pays ~150 latencies per step and communicates only
+  after the whole backward pass has finished.
+- :class:`BucketedAllReduce` does what ``DistributedDataParallel`` does: it packs
+  gradients into flat buckets of ``bucket_cap_mb`` (25 MB by default, as DDP),
+  so there are a few large messages instead of many small ones, and with
+  ``overlap=True`` it starts a bucket's all-reduce from a gradient hook as soon as
+  backward has produced the bucket's last gradient. Buckets fill in reverse
+  layer order, so the last layers' communication runs while the first layers'
+  backward is still computing. Any all-reduce can fill a bucket, e.g. the
+  hand-written :func:`parallel_lib.data_parallel.ring.ring_all_reduce`.
+
+The ring algorithm and the cost model live in :mod:`parallel_lib.data_parallel.ring` and are
+re-exported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_lib.common.timeline import TimelineRecorder
+from parallel_lib.data_parallel.ring import (
+    require_process_group,
+)
+
+__all__ = ["grad_or_zeros", "average_gradients", "BucketedAllReduce"]
+
+AllReduceFn = Callable[[torch.Tensor], Any]  # sums a tensor over ranks in place, blocking
+
+
+def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    """``param.grad``, made zeros first when backward gave it none."""
+    # a parameter that got no gradient on this rank still joins the collective, as zeros:
+    # skipping it would leave the other ranks waiting for a message that never comes
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Replace each parameter's gradient by its mean over ranks, one all-reduce per parameter.
+
+    The classic tutorial's loop, for understanding; :class:`BucketedAllReduce` is the fast one.
+
+    Raises:
+        RuntimeError: no initialised process group.
+    """
+    require_process_group("average_gradients")
+    world_size = dist.get_world_size()
+    for param in model.parameters():
+        if param.requires_grad:
+            grad = grad_or_zeros(param)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+            grad /= world_size
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients travel together in one flat buffer."""
+
+    params: list[nn.Parameter]
+    buffer: torch.Tensor                      # (sum of numels,) flat, one dtype and device
+    ready: set[int] = field(default_factory=set)  # ids of params whose gradient is final
+    work: Optional[Any] = None                # the async all-reduce in flight, if any
+    launched: bool = False
+    start: float = 0.0                        # recorder times of the all-reduce (with a recorder)
+    end: Optional[float] = None
+
+
+class BucketedAllReduce:
+    """Average gradients over ranks in flat buckets, optionally overlapping backward.
+
+    Use it in place of :func:`average_gradients`: call it (or :meth:`synchronize`)
+    after ``loss.backward()`` and before ``optimizer.step()``. With ``overlap=True``
+    buckets whose gradients are all final are already on the wire by then, and the
+    call only waits for them and launches the rest.
+
+    Args:
+        model: the replica; its parameters are bucketed in reverse registration
+            order, roughly the order in which backward produces their gradients.
+        bucket_cap_mb: largest bucket in megabytes (2**20 bytes); a parameter larger
+            than the cap gets a bucket of its own.
+        overlap: launch each bucket from gradient hooks as soon as it is full.
+        all_reduce: a blocking in-place SUM over ranks (e.g. ``ring_all_reduce``);
+            default ``dist.all_reduce``, launched asynchronously.
+        timeout: seconds to wait for a bucket's all-reduce; default the group's timeout.
+        recorder: if given, each bucket's all-reduce is recorded as a "comm" event on
+            lane "rank R comm" from its launch to its completion, with ``micro_batch`` the
+            step (the number of earlier synchronize calls) and label "b<bucket index>". The
+            ``recorder`` attribute may be changed between steps (None: record nothing).
+
+    Raises:
+        ValueError: ``bucket_cap_mb`` not positive or a model without trainable parameters.
+    """
+
+    def __init__(self, model: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True,
+                 all_reduce: Optional[AllReduceFn] = None, timeout: Optional[float] = None,
+                 recorder: Optional[TimelineRecorder] = None) -> None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got bucket_cap_mb={bucket_cap_mb!r}")
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        if not params:
+            raise ValueError("model has no trainable parameters to synchronise")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.overlap = overlap
+        self._all_reduce = all_reduce
+        self._wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+        self.recorder = recorder
+        self.steps = 0  # completed synchronize calls
+        self.buckets = self._make_buckets(params, int(bucket_cap_mb * 2**20))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+                       if overlap else [])
+
+    @staticmethod
+    def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+            if same_kind and size + nbytes <= cap_bytes:
+                groups[-1].append(p)
+                size += nbytes
+            else:
+                groups.append([p])
+                size = nbytes
+        return [_Bucket(g, torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device))
+                for g in groups]
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """Gradient hook: ``param.grad`` is final for this backward; launch its bucket once full."""
+        bucket = self._bucket_of[id(param)]
+        if bucket.launched:
+            raise RuntimeError("a second backward ran before synchronize(): call the BucketedAllReduce "
+                               "after every backward (gradient accumulation is not supported)")
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        offset = 0
+        for p in bucket.params:  # [1] pack: copy each gradient into its slice of the flat buffer
+            n = p.numel()
+            bucket.buffer[offset:offset + n].copy_(grad_or_zeros(p).reshape(-1))
+            offset += n
+        recorder = self.recorder
+        if recorder:
+            bucket.start, bucket.end = recorder.now(), None
+        if self._all_reduce is None:  # [2] reduce: in the background; synchronize() waits
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+            if recorder:  # the callback runs when the all-reduce completes, not when we look
+                bucket.work.get_future().then(lambda _: setattr(bucket, "end", recorder.now()))
+        else:
+            self._all_reduce(bucket.buffer)
+        bucket.launched = True
+
+    def synchronize(self) -> None:
+        """Finish every bucket's all-reduce and write the mean gradients back into ``.grad``.
+
+        Raises:
+            RuntimeError: no initialised process group, or a bucket's all-reduce failed or timed out.
+        """
+        require_process_group("BucketedAllReduce")
+        world_size = dist.get_world_size()
+        try:
+            for i, bucket in enumerate(self.buckets):
+                if not bucket.launched:  # overlap=False, or parameters that got no gradient
+                    self._launch(bucket)
+                if bucket.work is not None:
+                    bucket.work.wait(**self._wait)
+                if self.recorder:
+                    end = self.recorder.now() if bucket.end is None else bucket.end
+                    self.recorder.add(f"rank {dist.get_rank()} comm", "comm", self.steps, bucket.start, end,
+                                      f"b{i}")
+                bucket.buffer /= world_size
+                offset = 0
+                for p in bucket.params:  # [3] unpack: the mean back into each gradient
+                    n = p.numel()
+                    p.grad.copy_(bucket.buffer[offset:offset + n].view_as(p.grad))  # type: ignore[union-attr]
+                    offset += n
+            self.steps += 1
+        finally:  # the next backward starts with empty buckets, also after an error
+            for bucket in self.buckets:
+                bucket.ready.clear()
+                bucket.work = None
+                bucket.launched = False
+
+    def __call__(self, model: Optional[nn.Module] = None) -> None:
+        """:meth:`synchronize`; takes (and ignores) ``model`` to fit ``average_gradients_fn(model)``."""
+        self.synchronize()
+
+    def remove(self) -> None:
+        """Unregister the gradient hooks (the model then trains without them)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __enter__(self) -> BucketedAllReduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

@@ -1,0 +1,350 @@
+"""Data-parallel training of GPT-2 on the offline German→English corpus.
+
+Every rank builds the same replica (same seed), loads its own shard of each global
+batch (``partition_dataset``) and, after backward, synchronises gradients with one
+of ``SYNC_METHODS``. ``none`` skips the synchronisation: the replicas then drift
+apart, which is the answer to "why do ranks have to talk?".
+
+**Loss normalisation.** The loss is a mean over target tokens, and ranks hold
+different numbers of them. Averaging each rank's own mean (the classic tutorial)
+weights a token on a rank with few tokens more than one on a busy rank, so N
+ranks would not train like one process on the same global batch. Here every rank
+first all-reduces its token count (one 8-byte message) and divides its loss sum by
+``global_tokens / world_size``; the gradient *mean* over ranks that every sync
+method computes is then exactly the gradient of the global batch's token mean.
+:func:`single_process_reference` trains one process on those global batches with
+the plain ``parallel_lib.common.training.train`` loop, and the two agree to float precision.
+
+Run from a notebook with ``launch(run_dp, world_size, DPConfig(...))``, or::
+
+    python -m parallel_lib.data_parallel --world-size 2 --sync bucketed
+    torchrun --nproc-per-node 2 -m parallel_lib.data_parallel --sync ddp
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from parallel_lib.common.models import build_gpt2
+from parallel_lib.common.timeline import Event, TimelineRecorder
+from parallel_lib.common.training import TrainRecord, evaluate, train, weighted_cross_entropy
+from parallel_lib.data.corpus import load_corpus
+from parallel_lib.data.partition import global_batch_indices, partition_dataset
+from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
+from parallel_lib.data_parallel.allreduce import BucketedAllReduce, average_gradients
+from parallel_lib.data_parallel.ring import ring_all_reduce
+from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import is_torchrun, run
+
+__all__ = ["SYNC_METHODS", "DPConfig", "DPResult", "prepare_replica", "run_dp", "run_dp_many", "train_replica",
+           "single_process_reference", "summarize", "main"]
+
+SYNC_METHODS = ("none", "naive", "bucketed", "ring", "ddp")
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """One data-parallel run; every rank gets the same config."""
+
+    sync: str = "bucketed"             # one of SYNC_METHODS
+    model: Optional[str] = None        # a models.GPT2_SIZES name; None: "tiny" on CPU, "gpt2" on GPUs
+    batch_size: int = 32               # the GLOBAL batch; each rank loads batch_size // world_size
+    epochs: int = 1
+    max_steps: Optional[int] = None    # steps per epoch (None: the whole shard)
+    train_examples: Optional[int] = 2048  # first pairs of the train split (None: all 18,000)
+    val_examples: int = 256
+    vocab_size: int = 2048
+    max_length: int = 64               # positions per row
+    pad_to_max_length: bool = False    # same shape every step: steadier timings for benchmarks
+    optimizer: str = "adamw"           # "adamw" or "sgd"
+    lr: float = 1e-3
+    seed: int = 0                      # weight init, the same on every rank
+    data_seed: int = 1234              # shuffle of partition_dataset
+    bucket_cap_mb: float = 25.0        # bucketed, ring and ddp
+    overlap: bool = True               # bucketed: all-reduce from gradient hooks during backward
+    timeline_steps: int = 0            # record forward/backward/comm events of the first steps
+    return_state: bool = False         # send the final parameters back (tests, drift plots)
+
+
+@dataclass
+class DPResult:
+    """What one rank measured. ``record`` is the job's view and equal on every rank.
+
+    ``record`` counts the global batch's target tokens per step, the slowest rank's step
+    time and the global token-mean loss; ``local`` is this rank's own shard and times.
+    """
+
+    rank: int
+    world_size: int
+    config: DPConfig
+    model: str
+    device: str
+    record: TrainRecord
+    local: TrainRecord
+    epoch_times: list[float]           # seconds per epoch on this rank, data loading included
+    breakdown: dict[str, list[float]]  # per step on this rank: data, compute, sync, optimizer, gc seconds
+    val_loss: float                    # this rank's replica on the validation pairs
+    checksum: float                    # sum of all parameters (float64): equal ranks, equal sums
+    state: Optional[dict[str, torch.Tensor]] = None
+    events: list[Event] = field(default_factory=list)
+
+
+def _check_config(config: DPConfig) -> None:
+    if config.sync not in SYNC_METHODS:
+        raise ValueError(f"sync must be one of {SYNC_METHODS}, got sync={config.sync!r}")
+    if config.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got optimizer={config.optimizer!r}")
+    for name in ("epochs", "batch_size", "max_length", "val_examples"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {name}={getattr(config, name)!r}")
+
+
+def _model_name(config: DPConfig, device: torch.device) -> str:
+    return config.model or ("gpt2" if device.type == "cuda" else "tiny")
+
+
+def prepare_replica(config: DPConfig, device: torch.device
+                    ) -> tuple[nn.Module, torch.optim.Optimizer, list, Callable]:
+    """The replica, its optimizer, the training pairs and the collate function (same on every rank)."""
+    _check_config(config)
+    pairs = load_corpus("train", size=config.train_examples)
+    tokenizer = get_tokenizer(pairs, vocab_size=config.vocab_size)
+    model = build_gpt2(_model_name(config, device), vocab_size=len(tokenizer), seed=config.seed).to(device)
+    if config.max_length > model.config.n_positions:
+        raise ValueError(f"max_length must be <= the model's n_positions={model.config.n_positions}, "
+                         f"got max_length={config.max_length}")
+    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+    optimizer = optimizer_class(model.parameters(), lr=config.lr)
+    collate = partial(collate_batch, src_key="de", tgt_key="en", tokenizer=tokenizer,
+                      model_max_length=config.max_length, device=device, pad_to_max_length=config.pad_to_max_length)
+    return model, optimizer, pairs, collate
+
+
+def _sync_method(config: DPConfig, model: nn.Module, device: torch.device
+                 ) -> tuple[nn.Module, Optional[Callable[[nn.Module], None]]]:
+    """(the module to call forward on, the function that averages gradients after backward)."""
+    cap = config.bucket_cap_mb
+    if config.sync == "naive":
+        return model, average_gradients
+    if config.sync == "bucketed":
+        return model, BucketedAllReduce(model, bucket_cap_mb=cap, overlap=config.overlap)
+    if config.sync == "ring":
+        return model, BucketedAllReduce(model, bucket_cap_mb=cap, overlap=False, all_reduce=ring_all_reduce)
+    if config.sync == "ddp":  # DDP averages inside backward, from its own hooks
+        return DistributedDataParallel(model, bucket_cap_mb=cap,
+                                       device_ids=[device] if device.type == "cuda" else None), None
+    return model, None  # "none"
+
+
+class _GCClock:
+    """Seconds the garbage collector ran since the last ``take()`` (a source of timing spikes)."""
+
+    def __init__(self) -> None:
+        self.total, self._start = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
+
+
+def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
+    """This rank's training loop alone: ``run_dp`` without the job-wide ``record`` (left empty).
+
+    With ``sync="none"`` it sends no message at all, so one rank of a larger group
+    can train alone (the benchmark's one-rank baseline). Arguments as :func:`run_dp`.
+    """
+    device = rank_device()
+    model, optimizer, pairs, collate = prepare_replica(config, device)
+    net, sync = _sync_method(config, model, device)
+    loader = partition_dataset(rank, world_size, pairs, batch_size=config.batch_size, collate_fn=collate,
+                               seed=config.data_seed)
+    recorder = TimelineRecorder(torch.cuda.synchronize if device.type == "cuda" else None)
+    lane = f"rank {rank}"
+    local, epoch_times = TrainRecord(), []
+    breakdown: dict[str, list[float]] = {k: [] for k in ("data", "compute", "sync", "optimizer", "gc")}
+    if config.timeline_steps and world_size > 1:
+        dist.barrier()  # every rank's timeline starts at (nearly) the same moment
+    recorder.reset()
+    gc_clock = _GCClock()
+    gc.callbacks.append(gc_clock)
+    try:
+        for epoch in range(config.epochs):
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            epoch_start = time.perf_counter()
+            batches = iter(loader)
+            for _ in range(min(len(loader), config.max_steps or len(loader))):
+                t0 = time.perf_counter()
+                batch = next(batches)
+                t1 = time.perf_counter()
+                local_tokens = int(batch["label_token_weights"].sum().item())
+                denominator = torch.tensor(float(local_tokens), dtype=torch.float64, device=device)
+                # [1] the global token count, so that the mean is global. Sent now and awaited
+                # only after forward: the message travels while the model computes, and the
+                # ranks meet once per step (at the gradients), not twice.
+                counting = (dist.all_reduce(denominator, op=dist.ReduceOp.SUM, async_op=True)
+                            if config.sync != "none" else None)
+                global_step = len(local.losses)  # the events' micro_batch, as BucketedAllReduce's steps
+                traced = global_step < config.timeline_steps
+                if isinstance(sync, BucketedAllReduce):
+                    sync.recorder = recorder if traced else None
+                optimizer.zero_grad(set_to_none=True)
+                with recorder.record(lane, "forward", global_step) if traced else nullcontext():
+                    logits = net(batch["input_ids"]).logits  # (B, T, V)
+                    if counting is not None:
+                        counting.wait()
+                        denominator /= world_size
+                    loss = weighted_cross_entropy(logits, batch["labels"], batch["label_token_weights"], denominator)
+                with recorder.record(lane, "backward", global_step) if traced else nullcontext():
+                    loss.backward()  # [2] ddp and overlapping buckets start all-reducing in here
+                t2 = time.perf_counter()
+                if sync is not None:
+                    sync(model)  # [3] the other methods all-reduce here; overlapping ones only wait
+                t3 = time.perf_counter()
+                optimizer.step()
+                loss_sum = loss.item() * denominator.item()  # this rank's sum of ce * weight
+                t4 = time.perf_counter()
+                local.append(loss_sum / max(local_tokens, 1), local_tokens, t4 - t1)
+                for key, seconds in zip(breakdown, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, gc_clock.take())):
+                    breakdown[key].append(seconds)
+            epoch_times.append(time.perf_counter() - epoch_start)
+    finally:
+        gc.callbacks.remove(gc_clock)
+        if isinstance(sync, BucketedAllReduce):
+            sync.remove()
+    val_batches = [collate(chunk) for chunk in _chunks(load_corpus("validation", size=config.val_examples), 64)]
+    params = [p.detach() for p in model.parameters()]
+    return DPResult(rank, world_size, config, _model_name(config, device), str(device), record=TrainRecord(),
+                    local=local, epoch_times=epoch_times, breakdown=breakdown,
+                    val_loss=evaluate(model, val_batches),
+                    checksum=float(sum(p.double().sum() for p in params)),
+                    state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                    if config.return_state else None,
+                    events=list(recorder.events))
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _job_record(local: TrainRecord, device: torch.device) -> TrainRecord:
+    """The whole job's per-step record: summed tokens and loss sums, the slowest rank's time."""
+    sums = torch.tensor([[loss * tokens for loss, tokens in zip(local.losses, local.tokens)], local.tokens],
+                        dtype=torch.float64, device=device)  # (2, steps)
+    slowest = torch.tensor(local.step_times, dtype=torch.float64, device=device)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    record = TrainRecord()
+    for loss_sum, tokens, seconds in zip(*sums.tolist(), slowest.tolist()):
+        record.append(loss_sum / max(tokens, 1), int(tokens), seconds)
+    return record
+
+
+def run_dp(rank: int, world_size: int, config: DPConfig = DPConfig()) -> DPResult:
+    """Train one data-parallel replica; the worker function for ``launch`` and torchrun.
+
+    Args:
+        rank: this rank, in ``[0, world_size)``.
+        world_size: number of ranks in the (initialised) default process group.
+        config: the run; the same on every rank.
+
+    Returns:
+        This rank's :class:`DPResult`; ``record`` is the whole job's and equal on all ranks.
+
+    Raises:
+        RuntimeError: no initialised process group.
+        ValueError: a bad ``config`` field (named in the message).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("run_dp needs an initialised process group: run it with "
+                           "parallel_lib.runtime.launcher(run_dp, world_size, config) or under torchrun")
+    result = train_replica(rank, world_size, config)
+    result.record = _job_record(result.local, rank_device())
+    return result
+
+
+def run_dp_many(rank: int, world_size: int, configs: Sequence[DPConfig]) -> list[DPResult]:
+    """:func:`run_dp` for each config in turn, in one launch (starting ranks costs seconds)."""
+    return [run_dp(rank, world_size, config) for config in configs]
+
+
+def single_process_reference(world_size: int, config: DPConfig) -> tuple[TrainRecord, dict[str, torch.Tensor]]:
+    """One process training on the global batches that ``world_size`` ranks see together.
+
+    Step k's batch is every rank's batch k, in rank order (``global_batch_indices``),
+    trained with the plain ``parallel_lib.common.training.train`` loop and its token-mean loss.
+
+    Returns:
+        (the per-step record, the final ``state_dict`` on the CPU).
+    """
+    model, optimizer, pairs, collate = prepare_replica(config, torch.device("cpu"))
+    record = TrainRecord()
+    for epoch in range(config.epochs):
+        steps = global_batch_indices(pairs, world_size, config.batch_size, seed=config.data_seed, epoch=epoch)
+        batches = [collate([pairs[i] for i in indices]) for indices in steps[:config.max_steps]]
+        epoch_record = train(model, optimizer, batches, progress=False)
+        for name in ("losses", "tokens", "step_times", "tokens_per_sec"):
+            getattr(record, name).extend(getattr(epoch_record, name))
+    return record, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def summarize(results: list[DPResult], warmup: int = 2) -> dict[str, Any]:
+    """The numbers a reader compares between runs, from every rank's result."""
+    first = results[0]
+    return dict(sync=first.config.sync, world_size=first.world_size, model=first.model, device=first.device,
+                steps=first.record.steps, tokens_per_sec=first.record.throughput(skip=warmup),
+                epoch_times=[max(r.epoch_times[e] for r in results) for e in range(len(first.epoch_times))],
+                final_loss=first.record.final_loss, val_loss=[r.val_loss for r in results],
+                ranks_identical=len({r.checksum for r in results}) == 1)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m parallel_lib.data_parallel [--world-size N] [--sync METHOD] ...``; also under torchrun."""
+    parser = argparse.ArgumentParser(prog="python -m parallel_lib.data_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=None, help="ranks to launch (default 2; "
+                        "under torchrun its --nproc-per-node x --nnodes)")
+    parser.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    defaults = DPConfig()
+    for f in fields(DPConfig):
+        if f.name in ("timeline_steps", "return_state"):
+            continue
+        value = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            kind = {"model": str, "max_steps": int, "train_examples": int}.get(f.name, type(value))
+            parser.add_argument(flag, type=kind, default=value, choices=SYNC_METHODS if f.name == "sync" else None)
+    args = vars(parser.parse_args(argv))
+    world_size = args.pop("world_size") or (None if is_torchrun() else 2)
+    launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
+    config = replace(defaults, **args)
+    results = run(run_dp, world_size, config, **launch_kwargs)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the results: print once
+        summary = summarize(results)
+        print(f"data-parallel GPT-2 on {machine_label()}: " + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
+        for key, value in summary.items():
+            if isinstance(value, list):
+                value = [round(v, 3) for v in value]
+            print(f"  {key:<15} {value:,.1f}" if isinstance(value, float) else f"  {key:<15} {value}")
+    return 0
+

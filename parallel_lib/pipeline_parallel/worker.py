@@ -1,0 +1,152 @@
+"""Worker threads: one per pipeline stage, each fed tasks on its own in-queue.
+
+Why threads and not processes: stages exchange activations every micro-batch, and
+in one process that is a pointer hand-over, not a copy through a socket. Threads
+run side by side because PyTorch releases the GIL inside its kernels (and CUDA
+calls from different threads overlap). Why one thread per stage, not a pool: a
+stage's actions must run in the schedule's order, and CUDA/autograd state is
+simplest when one stage always lives on one thread.
+
+A :class:`Task` is a closure plus the (stage, action) it belongs to. Workers never
+look inside it: they run it and answer ``(task, ok, result or exc_info)`` on the
+out-queue. All workers answer on one shared out-queue, so the scheduler in
+:mod:`parallel_lib.pipeline_parallel.pipe` wakes up on whichever stage finishes first
+instead of polling p queues or waiting for the slowest stage of each clock tick.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from queue import Empty, Queue
+from types import TracebackType
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from parallel_lib.common.timeline import TimelineRecorder
+from parallel_lib.pipeline_parallel.schedule import Action, stage_lane
+
+__all__ = ["Task", "Workers", "THREAD_PREFIX"]
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+Answer = tuple["Task", bool, Union[Any, ExcInfo]]
+
+THREAD_PREFIX = "pipe-stage-"  # worker thread names; tests look for leftovers by this prefix
+_IDLE_POLL_S = 1.0  # an idle worker re-checks its stop flag this often
+
+
+@dataclass
+class Task:
+    """How to run one action of one stage; ``compute`` runs on the stage's worker thread.
+
+    Attributes:
+        stage: index j of the stage.
+        action: ``F(i)`` or ``B(i)``.
+        compute: the work; its return value travels back on the out-queue.
+        grad_mode: autograd's grad mode for ``compute`` (grad mode is per thread, so
+            the caller's ``torch.no_grad()`` must be handed over explicitly).
+        recorder: when given, ``compute`` is recorded as one timeline event.
+    """
+
+    stage: int
+    action: Action
+    compute: Callable[[], Any]
+    grad_mode: bool
+    recorder: Optional[TimelineRecorder] = None
+
+    def run(self) -> Any:
+        with torch.set_grad_enabled(self.grad_mode):
+            if self.recorder is None:
+                return self.compute()
+            with self.recorder.record(stage_lane(self.stage), self.action.event_kind, self.action.micro_batch):
+                return self.compute()
+
+
+def _worker_loop(device: torch.device, num_threads: int, in_queue: Queue, out_queue: Queue,
+                 stop: threading.Event) -> None:
+    """Run tasks until a ``None`` sentinel arrives or ``stop`` is set."""
+    torch.set_num_threads(num_threads)  # intra-op threads are per thread: p stages share the cores
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    while not stop.is_set():
+        try:
+            task = in_queue.get(timeout=_IDLE_POLL_S)
+        except Empty:
+            continue
+        if task is None:
+            return
+        try:
+            answer: Answer = (task, True, task.run())
+        except Exception:
+            answer = (task, False, sys.exc_info())
+        out_queue.put(answer)
+        del task, answer  # do not keep the last micro-batch's tensors alive while idle
+
+
+class Workers:
+    """p stage threads with one in-queue each and a shared out-queue.
+
+    Threads start on :meth:`start` (idempotent) and stop on :meth:`close`; a closed
+    ``Workers`` can be started again, with fresh queues.
+
+    Args:
+        devices: the device of each stage (CUDA workers make it their current device).
+        num_threads: ``torch.set_num_threads`` inside every worker.
+    """
+
+    def __init__(self, devices: Sequence[torch.device], num_threads: int = 1) -> None:
+        self.devices = list(devices)
+        self.num_threads = num_threads
+        self._threads: list[threading.Thread] = []
+        self._in_queues: list[Queue] = []
+        self._out_queue: Queue = Queue()
+        self._stop = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads)
+
+    def start(self) -> None:
+        """Start the worker threads unless they are running."""
+        if self._threads:
+            return
+        self._stop = threading.Event()
+        self._in_queues = [Queue() for _ in self.devices]
+        self._out_queue = Queue()
+        for j, device in enumerate(self.devices):
+            thread = threading.Thread(target=_worker_loop, name=f"{THREAD_PREFIX}{j}", daemon=True,
+                                      args=(device, self.num_threads, self._in_queues[j], self._out_queue,
+                                            self._stop))
+            thread.start()
+            self._threads.append(thread)
+
+    def submit(self, task: Task) -> None:
+        """Queue ``task`` on its stage's worker (tasks of one stage run in submission order)."""
+        self._in_queues[task.stage].put(task)
+
+    def answer(self, timeout: float) -> Answer:
+        """The next ``(task, ok, result | exc_info)`` from any worker.
+
+        Raises:
+            queue.Empty: nothing arrived within ``timeout`` seconds.
+        """
+        return self._out_queue.get(timeout=timeout)
+
+    def close(self, timeout: float = 10.0) -> list[str]:
+        """Stop and join every worker; return the names of threads still alive after ``timeout``.
+
+        A worker finishes its current task first; one stuck inside a task cannot be
+        killed (Python has no thread kill), so it is reported, and as a daemon thread
+        it does not keep the interpreter alive.
+        """
+        self._stop.set()
+        for q in self._in_queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        self._threads = []
+        self._in_queues = []
+        return stuck

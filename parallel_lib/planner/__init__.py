@@ -1,0 +1,21 @@
+"""Choosing a strategy (chapter 05): the planner behind the decision widget, and the measured
+comparison behind the article's table 3.
+"""
+
+from parallel_lib.planner.compare import CLASSIC, CompareConfig, Measured, markdown_table, measure
+from parallel_lib.planner.strategy import STRATEGIES, WHEN_TO_USE, Option, Plan, p2p_bytes, plan, ring_bytes
+
+__all__ = [
+    "CompareConfig",
+    "Measured",
+    "CLASSIC",
+    "measure",
+    "markdown_table",
+    "STRATEGIES",
+    "WHEN_TO_USE",
+    "Option",
+    "Plan",
+    "plan",
+    "ring_bytes",
+    "p2p_bytes",
+]

@@ -1,0 +1,287 @@
+"""Choosing a strategy: which of DP, MP, PP and DP×PP fit, and what each costs.
+
+Chapters 01–04 each measured one strategy. The planner puts their cost models side
+by side for a model and a cluster the reader may not have, so the choice is
+reasoned rather than guessed. It adds no formula of its own; it combines:
+
+- memory: :func:`parallel_lib.model_parallel.memory.training_memory` (bytes per parameter, split
+  evenly over a pipeline's stages) and :func:`~parallel_lib.model_parallel.memory.activation_memory`
+  (what the busiest stage keeps for backward);
+- idle time: :func:`parallel_lib.pipeline_parallel.schedule.bubble_fraction` (model parallelism
+  is a pipeline with one micro-batch, so its bubble is ``(p - 1) / p``);
+- communication: :func:`parallel_lib.data_parallel.ring.allreduce_cost` for the gradients, plus the
+  hidden states that cross each stage boundary forward and their gradients backward.
+
+Communication is in bytes each device *sends* per step (the busiest device);
+``allreduce_cost(S, N, bandwidth=1, latency=0)`` is exactly that volume for a ring,
+``2 (N - 1) / N * S``. Memory is in GiB (2**30 bytes), traffic in GB (10**9).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from parallel_lib.common.checks import positive_int
+from parallel_lib.data_parallel.ring import allreduce_cost
+from parallel_lib.model_parallel.memory import (
+    DTYPE_BYTES,
+    MODEL_SHAPES,
+    OPTIMIZER_STATES,
+    GiB,
+    ModelShape,
+    activation_memory,
+    training_memory,
+)
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES, bubble_fraction
+
+__all__ = ["STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "ring_bytes", "p2p_bytes"]
+
+STRATEGIES = ("DP", "MP", "PP", "DP×PP")
+# The rule of thumb behind each row of the comparison table; the planner's numbers back it.
+WHEN_TO_USE = {
+    "DP": "the model with its optimizer state fits on one device: use every device, no bubble",
+    "MP": "the model does not fit on one device and speed does not matter (inference, a first try)",
+    "PP": "the model does not fit on one device: split it, and fill the pipeline with micro-batches",
+    "DP×PP": "a copy of the model needs a few devices and there are many: replicate the pipeline",
+}
+
+
+def ring_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes``."""
+    return allreduce_cost(nbytes, world_size, bandwidth=1.0, latency=0.0)
+
+
+def p2p_bytes(boundary_bytes: float, stages: int) -> float:
+    """Bytes the busiest stage sends per step: its output forward and its input's gradient backward.
+
+    ``boundary_bytes`` is one batch's hidden states at one stage boundary; an inner stage
+    sends both directions (2x), the first and last only one, a single stage nothing.
+    """
+    return boundary_bytes * min(2, stages - 1) if stages > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Option:
+    """One strategy on the given cluster: its layout, memory, idle share and traffic."""
+
+    strategy: str                  # one of STRATEGIES
+    replicas: int                  # data-parallel copies of the model
+    stages: int                    # devices one copy is split over
+    micro_batches: int             # per replica and step
+    state_bytes: float             # weights, gradients, master copy, optimizer states per device
+    activation_bytes: float        # kept for backward on the busiest device
+    bubble: float                  # idle share of each device's step
+    allreduce_bytes: float         # gradient all-reduce, sent per device per step
+    p2p_bytes: float               # hidden states and their gradients, sent per device per step
+    comm_seconds: float            # both, at the plan's link bandwidth
+    feasible: bool
+    reasons: tuple[str, ...] = field(default=())
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def devices(self) -> int:
+        return self.replicas * self.stages
+
+    @property
+    def comm_bytes(self) -> float:
+        return self.allreduce_bytes + self.p2p_bytes
+
+    @property
+    def busy_devices(self) -> float:
+        """Devices' worth of useful compute: ``devices * (1 - bubble)``."""
+        return self.devices * (1 - self.bubble)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every strategy's :class:`Option` for one model, batch and cluster, and the pick."""
+
+    model: str
+    n_params: int
+    seq_len: int
+    batch_size: int
+    gpu_bytes: float
+    n_gpus: int
+    bandwidth: float
+    options: tuple[Option, ...]
+
+    @property
+    def best(self) -> Optional[Option]:
+        """The feasible option with the most useful compute; less traffic breaks a tie."""
+        feasible = [o for o in self.options if o.feasible]
+        return max(feasible, key=lambda o: (round(o.busy_devices, 9), -o.comm_bytes), default=None)
+
+    def option(self, strategy: str) -> Option:
+        """The option of one strategy (a name from STRATEGIES)."""
+        for o in self.options:
+            if o.strategy == strategy:
+                return o
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}")
+
+    def table(self) -> str:
+        """A fixed-width table of the options."""
+        lines = [f"{self.model}, {self.seq_len} tokens x {self.batch_size} sequences per step, "
+                 f"{self.n_gpus} GPU(s) of {self.gpu_bytes / GiB:g} GiB, links {self.bandwidth / 1e9:g} GB/s",
+                 f"{'strategy':<8} {'layout':>9} {'m':>3} {'GiB/device':>10} {'fits':>4} {'bubble':>6} "
+                 f"{'GB sent/device':>14} {'comm s':>7} {'busy GPUs':>9}"]
+        for o in self.options:
+            lines.append(f"{o.strategy:<8} {f'{o.replicas}x{o.stages}':>9} {o.micro_batches:>3} "
+                         f"{o.memory_bytes / GiB:>10.1f} {'yes' if o.feasible else 'no':>4} {o.bubble:>6.0%} "
+                         f"{o.comm_bytes / 1e9:>14.3f} {o.comm_seconds:>7.3f} {o.busy_devices:>9.1f}")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """The reasoning: each option's reasons, then the pick."""
+        lines = []
+        for o in self.options:
+            lines.append(f"{o.strategy} ({o.replicas} replica(s) x {o.stages} stage(s)): "
+                         f"{'feasible' if o.feasible else 'NOT feasible'}")
+            lines += [f"  - {reason}" for reason in o.reasons]
+        best = self.best
+        if best is None:
+            lines.append("No strategy fits: add GPUs, use larger ones, shorten the sequences or shrink the batch.")
+        else:
+            lines.append(f"Pick: {best.strategy}, {best.replicas} x {best.stages}: the most useful compute, "
+                         f"{best.devices} GPU(s) x (1 - bubble {best.bubble:.0%}) = "
+                         f"{best.busy_devices:.1f} GPUs' worth "
+                         f"({WHEN_TO_USE[best.strategy]}).")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What :func:`plan` was asked, checked; :meth:`cost` prices any layout of it."""
+
+    shape: ModelShape
+    seq_len: int
+    batch_size: int
+    gpu_bytes: float
+    n_gpus: int
+    dtype: str
+    optimizer: Optional[str]
+    schedule: str
+    bandwidth: float
+    attention_scores: bool
+    include_activations: bool
+
+    def cost(self, strategy: str, replicas: int, stages: int, micro_batches: int,
+             notes: Sequence[str] = (), blocker: str = "") -> Option:
+        """The option for ``replicas`` x ``stages``; ``blocker`` (a reason) makes it infeasible."""
+        s, width = self.shape, DTYPE_BYTES[self.dtype]
+        memory = training_memory(s.n_params, self.dtype, self.optimizer)
+        rows = math.ceil(self.batch_size / replicas)  # sequences of the busiest replica
+        m = min(micro_batches, rows)  # a micro-batch holds one sequence at least
+        held = min(rows, math.ceil(rows / m) * (m if self.schedule == "gpipe" else min(stages, m)))
+        layers = math.ceil(s.n_layers / stages)  # the busiest stage's blocks
+        acts = 0.0
+        if self.include_activations:  # 16-bit values in activation_memory: scaled as memory.model_memory does
+            acts = activation_memory(held, self.seq_len, s.hidden, s.n_heads, layers, self.attention_scores) * width / 2
+        state, grads = memory.per_device(stages), memory.gradients / stages
+        allreduce = ring_bytes(grads, replicas)
+        p2p = p2p_bytes(rows * self.seq_len * s.hidden * width, stages)
+        seconds = allreduce_cost(grads, replicas, self.bandwidth, 0.0) + p2p / self.bandwidth
+        bubble = bubble_fraction(stages, m)
+        fits = state + acts <= self.gpu_bytes
+        why = [blocker] if blocker else []
+        why.append(f"{state / GiB:.1f} GiB of training state ({memory.total / s.n_params:g} bytes/parameter x "
+                   f"{s.n_params / 1e9:.2f} B parameters / {stages} stage(s)) + {acts / GiB:.1f} GiB of activations "
+                   f"({held} sequence(s) x {layers} block(s)) = {(state + acts) / GiB:.1f} GiB "
+                   f"{'<=' if fits else '>'} {self.gpu_bytes / GiB:g} GiB per GPU")
+        why += notes
+        if stages > 1:
+            why.append(f"bubble (p-1)/(m+p-1) = ({stages}-1)/({m}+{stages}-1) = {bubble:.0%}; the busiest stage "
+                       f"sends {p2p / 1e9:.3f} GB of hidden states and their gradients per step")
+        if replicas > 1:
+            why.append(f"ring all-reduce of {grads / 1e9:.3f} GB of gradients over {replicas} replicas: "
+                       f"2(N-1)/N x S = {allreduce / 1e9:.3f} GB sent per GPU per step")
+        why.append(f"communication {seconds * 1e3:.1f} ms per step at {self.bandwidth / 1e9:g} GB/s")
+        return Option(strategy, replicas, stages, m, state, acts, bubble, allreduce, p2p, seconds,
+                      fits and not blocker, tuple(why))
+
+    def options(self, micro_batches: Optional[int]) -> tuple[Option, ...]:
+        n, split = self.n_gpus, min(self.n_gpus, self.shape.n_layers)
+
+        def m(stages: int) -> int:
+            return micro_batches or 4 * stages
+
+        idle = [f"the batch of {self.batch_size} sequences feeds only {self.batch_size} of {n} GPUs"
+                if self.batch_size < n else "no bubble: every GPU computes the whole step"]
+        dp = self.cost("DP", min(n, self.batch_size), 1, 1, idle)
+        short = []
+        if split < n:
+            short.append(f"{self.shape.n_layers} blocks make at most {split} stages: {n - split} GPU(s) idle")
+        cannot = "one GPU cannot be split into stages" if split < 2 else ""
+        mp = self.cost("MP", 1, split, 1, short + ["one micro-batch: one stage computes at a time"], cannot)
+        pp = self.cost("PP", 1, split, m(split), short, cannot)
+        for stages in range(2, split + 1):  # the fewest stages that hold a replica, replicated n // stages times
+            replicas = n // stages
+            if replicas < 2:
+                break
+            option = self.cost("DP×PP", replicas, stages, m(stages),
+                               [f"{stages} stages are the fewest that hold a replica; {n} GPUs hold {replicas}"])
+            if option.feasible:
+                return dp, mp, pp, option
+        blocker = f"fewer than 2 replicas of a pipeline that fits find room on {n} GPU(s)"
+        return dp, mp, pp, self.cost("DP×PP", 1, max(split, 1), m(split), (), blocker)
+
+
+def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int,
+         dtype: str = "fp16", optimizer: Optional[str] = "adamw", schedule: str = "1f1b",
+         micro_batches: Optional[int] = None, bandwidth: float = 25e9, attention_scores: bool = False,
+         include_activations: bool = True) -> Plan:
+    """Cost every strategy for training ``model`` on ``n_gpus`` GPUs of ``gpu_gib`` GiB.
+
+    Layouts: DP runs one replica per GPU (at most one per sequence); MP and PP split
+    the model over all GPUs (at least one block per stage), MP with one micro-batch
+    (chapter 03), PP with ``micro_batches``; DP×PP splits each replica over the fewest
+    stages (at least 2) that hold it and runs ``n_gpus // stages`` such pipelines.
+
+    Args:
+        model: a name from :data:`parallel_lib.model_parallel.memory.MODEL_SHAPES` or a ``ModelShape``.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step, the global batch.
+        gpu_gib: memory of one GPU in GiB.
+        n_gpus: GPUs available.
+        dtype: "fp16"/"bf16" (mixed precision) or "fp32".
+        optimizer: "adamw", "adam", "sgd_momentum", "sgd", or None (inference).
+        schedule: "1f1b" (a stage keeps at most p micro-batches) or "gpipe" (all m).
+        micro_batches: per replica and step; default ``4 p`` (the GPipe paper: with
+            m >= 4p the bubble is negligible), at most one per sequence.
+        bandwidth: bytes per second of one link, for the communication time.
+        attention_scores: count stored attention score matrices (no FlashAttention).
+        include_activations: False: training state only, as ``training_memory(...).min_devices``.
+
+    Raises:
+        ValueError: an unknown model, dtype, optimizer or schedule, or a size that is not positive.
+        TypeError: ``model`` is neither a name nor a ``ModelShape``.
+    """
+    if isinstance(model, ModelShape):
+        name, shape = f"{model.n_params / 1e9:.2f} B parameters", model
+    elif isinstance(model, str) and model in MODEL_SHAPES:
+        name, shape = model, MODEL_SHAPES[model]
+    elif isinstance(model, str):
+        raise ValueError(f"model must be one of {sorted(MODEL_SHAPES)} or a ModelShape, got model={model!r}")
+    else:
+        raise TypeError(f"model must be a name or a ModelShape, got {type(model).__name__}")
+    for arg, value in (("seq_len", seq_len), ("batch_size", batch_size), ("n_gpus", n_gpus)):
+        positive_int(arg, value)
+    if micro_batches is not None:
+        positive_int("micro_batches", micro_batches)
+    for arg, number in (("gpu_gib", gpu_gib), ("bandwidth", bandwidth)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number > 0:
+            raise ValueError(f"{arg} must be a number > 0, got {arg}={number!r}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got dtype={dtype!r}")
+    if optimizer is not None and optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, got optimizer={optimizer!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got schedule={schedule!r}")
+    inputs = _Inputs(shape, seq_len, batch_size, gpu_gib * GiB, n_gpus, dtype, optimizer, schedule, bandwidth,
+                     attention_scores, include_activations)
+    return Plan(name, shape.n_params, seq_len, batch_size, gpu_gib * GiB, n_gpus, bandwidth,
+                inputs.options(micro_batches))

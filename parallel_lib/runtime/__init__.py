@@ -1,0 +1,47 @@
+"""Launching ranks (from a notebook or under torchrun), devices, and the environment report.
+
+The bottom layer: every chapter starts its ranks with :func:`launch` (or :func:`run`,
+which picks torchrun when the process was started by it) and asks :func:`devices` /
+:func:`resolve_device` where to compute.
+"""
+
+from parallel_lib.runtime.collectives import CollectiveCall, CollectiveCounter, count_collectives, ring_wire_bytes
+from parallel_lib.runtime.device import DeviceKey, check_device_keys, cpu_count, devices, rank_device, resolve_device
+from parallel_lib.runtime.environment import all_reduce_demo, environment_info, environment_report, machine_label
+from parallel_lib.runtime.launcher import (
+    BACKENDS,
+    LaunchTimeoutError,
+    RankError,
+    RankInfo,
+    is_torchrun,
+    launch,
+    resolve_backend,
+    run,
+    run_torchrun,
+)
+
+__all__ = [
+    "CollectiveCall",
+    "CollectiveCounter",
+    "count_collectives",
+    "ring_wire_bytes",
+    "DeviceKey",
+    "cpu_count",
+    "rank_device",
+    "devices",
+    "resolve_device",
+    "check_device_keys",
+    "environment_info",
+    "environment_report",
+    "machine_label",
+    "all_reduce_demo",
+    "RankError",
+    "LaunchTimeoutError",
+    "RankInfo",
+    "BACKENDS",
+    "launch",
+    "run_torchrun",
+    "run",
+    "is_torchrun",
+    "resolve_backend",
+]
