@@ -41,3 +41,45 @@ def test_quick_run_through_the_bench_command(capsys):
                 "| bucketed | 2 |", "| ring | 2 |", "| ddp | 2 |"):
         assert row in out
     assert "bucketed:" in out and "× DDP" in out
+
+
+# --- every printed table comes from the one helper ------------------------------------------------
+
+TABLE_MODULES = ["parallel_lib.bench.dp", "parallel_lib.bench.allreduce", "parallel_lib.bench.pp",
+                 "parallel_lib.check_gpu", "parallel_lib.gpu_checks", "parallel_lib.planner.compare"]
+
+
+@pytest.mark.parametrize("name", TABLE_MODULES)
+def test_no_module_pastes_its_own_separator_row(name):
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(name))
+    assert "|---" not in source and "---|" not in source, f"{name}: use parallel_lib.common.tables.markdown_table"
+
+
+def test_benchmark_and_comparison_tables_go_through_markdown_table(monkeypatch):
+    import parallel_lib.bench.allreduce as bench_allreduce
+    import parallel_lib.bench.dp as bench_dp
+    import parallel_lib.bench.pp as bench_pp
+    import parallel_lib.common.tables as tables
+    from parallel_lib.planner import Measured
+    from parallel_lib.planner import markdown_table as comparison_table
+
+    headers, real = [], tables.markdown_table
+
+    def spy(header, rows, align=""):
+        headers.append(header[0])
+        return real(header, rows, align)
+
+    for module in (bench_dp, bench_allreduce, bench_pp):
+        monkeypatch.setattr(module, "markdown_table", spy)
+    monkeypatch.setattr(tables, "markdown_table", spy)
+    config = Config(world_size=2, per_rank_batch=4, max_length=10, repeats=1, methods=("bucketed",))
+    markdown(Results(config, "m", "tiny", "cpu", {"1 rank": 0.01, "none": 0.01, "bucketed": 0.01}))
+    bench_allreduce.markdown(bench_allreduce.Results(bench_allreduce.Config(sizes=(1024,)), "m", "gloo",
+                                                     seconds={"builtin": {1024: 1e-3}, "ring": {1024: 1e-3}}))
+    bench_pp.markdown(bench_pp.Results(bench_pp.Config(micro_batches=(1,)), "m", ["cpu", "cpu"], plain=1.0,
+                                       thread_ceiling=1.5, steps={"gpipe": {1: 1.0}}))
+    comparison_table([Measured("1 device", 1, 100.0, 4e6, 4e6, 0.0, None, "train()")], machine="m")
+    assert headers == ["variant", "size", "runner", "strategy"]

@@ -1,10 +1,11 @@
-"""Tests for parallel_lib.check_gpu on a machine without a GPU.
+"""Tests for parallel_lib.check_gpu and parallel_lib.gpu_checks on a machine without a GPU.
 
 The plan and the command line are pure and tested for 0, 1, 2 and 4 GPUs with a
 faked ``torch.cuda.device_count``. The checks themselves use int device keys and
-``launch``, which fall back to the CPU and gloo, so their equivalence logic runs
-here for real on CPU "devices"; only the benchmarks they end with (tested in
-test_bench_*.py) are replaced by fakes that record how they were called.
+``launch``, which run on the CPU and gloo on a machine without GPUs (the CPU mode),
+so their equivalence logic runs here for real on CPU "devices"; only the benchmarks
+they end with (tested in test_bench_*.py) are replaced by fakes that record how they
+were called. ``--allow-cpu`` runs the script itself that way.
 """
 
 from __future__ import annotations
@@ -12,13 +13,25 @@ from __future__ import annotations
 import subprocess
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from parallel_lib import check_gpu
-from parallel_lib.check_gpu import CheckError, Planned, device_counts, format_plan, parse_args, plan
+from parallel_lib import check_gpu, gpu_checks
+from parallel_lib.check_gpu import (
+    CHECKS,
+    NOTHING_CHECKED,
+    Check,
+    CheckError,
+    Planned,
+    device_counts,
+    format_plan,
+    parse_args,
+    plan,
+    register_check,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,19 +68,33 @@ def test_plan_only_and_its_table():
     planned = plan(2, only=["pipeline"])
 
     assert [p.name for p in planned if p.runs] == ["pipeline"]
-    table = format_plan(planned)
-    assert "dp                 -  skipped: not selected (--only)" in table
-    assert "pipeline           2  Pipe over cuda:0..p-1" in table
+    table = format_plan(planned).splitlines()
+    assert table[:2] == ["| check | chapter | devices | what |", "|---|---|---:|---|"]
+    assert "| dp | 01_data_parallel | - | skipped: not selected (--only) |" in table
+    assert "| pipeline | 04_pipeline_parallel | 2 | Pipe over cuda:0..p-1: equivalence with one GPU, step times by m, " \
+           "bench pp |" in table
     with pytest.raises(ValueError, match=r"only must name checks from \['dp', .*\], got \['gpu'\]"):
         plan(2, only=["gpu"])
+    assert plan(1, kind="CPU device")[0].reason == "needs >= 2 CPU devices, found 1"
+
+
+def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
+    assert [(name, c.chapter) for name, c in CHECKS.items()] == [
+        ("dp", "01_data_parallel"), ("allreduce", "02_all_reduce"), ("model_parallel", "03_model_parallel"),
+        ("pipeline", "04_pipeline_parallel")]
+    monkeypatch.setattr(check_gpu, "CHECKS", dict(CHECKS))
+    register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
+    assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
+    with pytest.raises(ValueError, match="a check named 'dp' is already registered"):
+        register_check("dp", check_gpu.CHECKS["dp"])
 
 
 def test_parse_args():
     defaults = parse_args([])
-    args = parse_args(["--quick", "--only", "dp", "pipeline", "--gpus", "2"])
+    args = parse_args(["--quick", "--only", "dp", "pipeline", "--gpus", "2", "--allow-cpu"])
 
-    assert (defaults.quick, defaults.only, defaults.gpus) == (False, None, None)
-    assert (args.quick, args.only, args.gpus) == (True, ["dp", "pipeline"], 2)
+    assert (defaults.quick, defaults.only, defaults.gpus, defaults.allow_cpu) == (False, None, None, False)
+    assert (args.quick, args.only, args.gpus, args.allow_cpu) == (True, ["dp", "pipeline"], 2, True)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -96,18 +123,39 @@ def fake_checks(monkeypatch):
             return f"table of {name}"
         return check
 
-    for name, (min_gpus, what, _) in list(check_gpu.CHECKS.items()):
-        monkeypatch.setitem(check_gpu.CHECKS, name, (min_gpus, what, fake(name)))
+    for name, check in list(check_gpu.CHECKS.items()):
+        monkeypatch.setitem(check_gpu.CHECKS, name, replace(check, run=fake(name)))
     monkeypatch.setattr(check_gpu, "environment_report", lambda: print("environment"))
     return calls
 
 
-def test_main_without_gpu_says_so_and_checks_nothing(monkeypatch, fake_checks, capsys):
+def test_main_without_gpu_says_so_checks_nothing_and_is_no_pass(monkeypatch, fake_checks, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
-    assert check_gpu.main(["--quick"]) == 0
+    assert check_gpu.main(["--quick"]) == NOTHING_CHECKED != 0
     assert fake_checks == []
-    assert capsys.readouterr().out.startswith("No NVIDIA GPU found: ")
+    out = capsys.readouterr().out
+    assert out.startswith("No NVIDIA GPU found: ") and "so this is not a pass" in out and "--allow-cpu" in out
+
+
+def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(monkeypatch, fake_checks, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+    assert check_gpu.main(["--allow-cpu"]) == 1  # the fake pipeline check fails
+    assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
+                           ("pipeline", 2, True)]
+    assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
+    fake_checks.clear()
+    assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
+    assert fake_checks == [("model_parallel", 1, True)]
+
+
+def test_main_that_can_run_no_selected_check_is_no_pass(monkeypatch, fake_checks, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    assert check_gpu.main(["--only", "dp"]) == NOTHING_CHECKED
+    assert fake_checks == []
+    assert "No check can run on 1 GPU: nothing was checked, so this is not a pass." in capsys.readouterr().out
 
 
 def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks, capsys):
@@ -117,11 +165,13 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
                            ("pipeline", 2, True)]
     captured = capsys.readouterr()
-    assert "## model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
+    assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-4:]
-    assert [line.split()[:2] for line in summary] == [["dp", "passed"], ["allreduce", "passed"],
-                                                      ["model_parallel", "passed"], ["pipeline", "FAILED"]]
+    summary = captured.out.splitlines()[-6:]
+    assert summary[:2] == ["| check | chapter | status | seconds |", "|---|---|---|---:|"]
+    assert [line.split(" | ")[:3] for line in summary[2:]] == [
+        ["| dp", "01_data_parallel", "passed"], ["| allreduce", "02_all_reduce", "passed"],
+        ["| model_parallel", "03_model_parallel", "passed"], ["| pipeline", "04_pipeline_parallel", "FAILED"]]
 
 
 def test_main_with_one_gpu_runs_model_parallel_only(monkeypatch, fake_checks):
@@ -149,13 +199,15 @@ def test_no_gpu_message_names_the_cause(monkeypatch, cuda, expected):
     assert expected in check_gpu._no_gpu_message()
 
 
-def test_module_entry_point_on_this_machine():
-    done = subprocess.run([sys.executable, "-m", "parallel_lib.check_gpu", "--quick"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-
-    assert done.returncode == 0, done.stderr
-    if torch.cuda.device_count() == 0:
-        assert "No NVIDIA GPU found" in done.stdout and "Nothing to check on GPUs here" in done.stdout
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this machine has a GPU: the script checks it instead")
+def test_module_entry_point_smoke_run_on_the_cpu():
+    # without --allow-cpu it would exit NOTHING_CHECKED (test_main_without_gpu_...)
+    smoke = subprocess.run([sys.executable, "-m", "parallel_lib.check_gpu", "--allow-cpu", "--only", "model_parallel"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    assert "## 03_model_parallel: model_parallel on 2 CPU devices" in smoke.stdout
+    assert "| cpu, cpu | 2+2 | 0.0e+00 |" in smoke.stdout
+    assert "| model_parallel | 03_model_parallel | passed |" in smoke.stdout
 
 
 # --- the checks, on CPU "devices" -----------------------------------------------------------------
@@ -165,9 +217,9 @@ def test_max_difference_names_the_gradient_that_differs():
     close = (torch.tensor(1.0), {"w": torch.full((3,), 1e-7), "b": torch.zeros(2)})
     wrong = (torch.tensor(1.0), {"w": torch.zeros(3), "b": torch.tensor([0.0, 1e-3])})
 
-    assert check_gpu._max_difference(expected, close, "2 devices") == pytest.approx(1e-7)
+    assert gpu_checks._max_difference(expected, close, "2 devices") == pytest.approx(1e-7)
     with pytest.raises(CheckError, match=r"2 devices does not match the reference: b: Tensor-likes are not close"):
-        check_gpu._max_difference(expected, wrong, "2 devices")
+        gpu_checks._max_difference(expected, wrong, "2 devices")
 
 
 def test_model_parallel_check_on_cpu_devices():
@@ -176,35 +228,45 @@ def test_model_parallel_check_on_cpu_devices():
     rows = [line for line in table.splitlines() if line.startswith("| cpu")]
     assert [row.split(" | ")[:2] for row in rows] == [["| cpu", "4"], ["| cpu, cpu", "2+2"]]
     assert all(row.split(" | ")[2] == "0.0e+00" for row in rows)  # same kernels on the CPU: exact
+    assert "| devices | layers per device | max abs grad diff vs 1 device | target tokens/s | × 1 device |" in table
 
 
 def test_pipeline_check_on_cpu_devices(monkeypatch):
-    bench_configs = []
-    monkeypatch.setattr(check_gpu.bench_pp, "run", lambda config: bench_configs.append(config) or "results")
-    monkeypatch.setattr(check_gpu.bench_pp, "markdown", lambda results: f"pp table of {results}")
+    bench_configs, clocks = [], []
+    monkeypatch.setattr(gpu_checks.bench_pp, "run", lambda config: bench_configs.append(config) or "results")
+    monkeypatch.setattr(gpu_checks.bench_pp, "markdown", lambda results: f"pp table of {results}")
+
+    class RecordedClock(gpu_checks.DeviceClock):
+        def __init__(self, devices):
+            super().__init__(devices)
+            clocks.append([str(d) for d in self.devices])
+
+    monkeypatch.setattr(gpu_checks, "DeviceClock", RecordedClock)
 
     text = check_gpu.check_pipeline(4, quick=True)
 
     for devices in ("cpu, cpu", "cpu, cpu, cpu, cpu"):
         for schedule in ("gpipe", "1f1b"):
-            assert f"Pipe {schedule} on {devices}: loss and gradients match one device" in text
+            assert f"| {devices} | {schedule} | " in text
     rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert rows == [[f"| {p}", str(m)] for p in (2, 4) for m in check_gpu.QUICK.micro_batches]
-    assert text.endswith("pp table of results") and bench_configs == [check_gpu.bench_pp.QUICK]
+    assert text.endswith("pp table of results") and bench_configs == [gpu_checks.bench_pp.QUICK]
+    # one clock per timed Pipe, waiting on the Pipe's own devices (here the CPU, named once)
+    assert clocks == [["cpu"]] * (2 * len(check_gpu.QUICK.micro_batches))
 
 
 def test_dp_check_on_gloo_ranks(monkeypatch):
     bench_configs = []
-    monkeypatch.setattr(check_gpu.bench_dp, "measure", lambda config: bench_configs.append(config) or "results")
-    monkeypatch.setattr(check_gpu.bench_dp, "markdown", lambda results: f"dp table of {results}")
+    monkeypatch.setattr(gpu_checks.bench_dp, "measure", lambda config: bench_configs.append(config) or "results")
+    monkeypatch.setattr(gpu_checks.bench_dp, "markdown", lambda results: f"dp table of {results}")
 
     text = check_gpu.check_dp(2, quick=True)
 
     for method in ("naive", "bucketed", "ring", "ddp"):
-        assert f"  {method:<9} parameters match" in text
+        assert f"| {method} | yes | " in text
     assert "Data parallel, 2 ranks on cpu .. cpu, 3 SGD steps" in text
     assert text.endswith("dp table of results")
-    assert [(c.world_size, c.steps) for c in bench_configs] == [(2, check_gpu.bench_dp.QUICK.steps)]
+    assert [(c.world_size, c.steps) for c in bench_configs] == [(2, gpu_checks.bench_dp.QUICK.steps)]
 
 
 @pytest.mark.parametrize("max_error", [1e-6, 0.5, float("nan")])
@@ -215,8 +277,8 @@ def test_allreduce_check_fails_when_the_ring_disagrees(monkeypatch, max_error):
         configs.append(config)
         return types.SimpleNamespace(max_error=max_error)
 
-    monkeypatch.setattr(check_gpu.bench_allreduce, "measure", measure)
-    monkeypatch.setattr(check_gpu.bench_allreduce, "markdown", lambda results: "allreduce table")
+    monkeypatch.setattr(gpu_checks.bench_allreduce, "measure", measure)
+    monkeypatch.setattr(gpu_checks.bench_allreduce, "markdown", lambda results: "allreduce table")
 
     if max_error < 1e-3:
         assert check_gpu.check_allreduce(4) == "allreduce table"

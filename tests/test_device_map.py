@@ -14,7 +14,7 @@ from parallel_lib.model_parallel import (
     naive_device_map,
     validate_device_map,
 )
-from parallel_lib.runtime import resolve_device
+from parallel_lib.runtime import devices, resolve_device
 
 
 @pytest.mark.parametrize("n_devices", range(1, 9))
@@ -86,10 +86,63 @@ def test_validate_device_map_accepts_idle_devices():
 def test_resolve_device_and_lanes():
     gpus = torch.cuda.device_count()
     assert resolve_device(0) == (torch.device("cuda", 0) if gpus else torch.device("cpu"))
-    assert resolve_device(gpus) == torch.device("cpu"), "an index past the last GPU runs on the CPU"
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device(torch.device("meta")) == torch.device("meta")
     assert [lane_name(k) for k in (0, "cuda:1", torch.device("cpu"))] == ["device 0", "cuda:1", "cpu"]
+
+
+# --- one device rule, on machines with 0, 2 and 4 GPUs (torch.cuda.device_count faked) --------------
+
+def _gpus(monkeypatch, n):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_without_gpus_every_int_key_runs_on_the_cpu(monkeypatch):
+    _gpus(monkeypatch, 0)
+    assert [resolve_device(k) for k in (0, 1, 7)] == [torch.device("cpu")] * 3
+    assert devices(3) == [torch.device("cpu")] * 3
+    with pytest.raises(ValueError, match=r"device key 'cuda:0' names GPU 0, but this machine has no GPU; use fewer"):
+        resolve_device("cuda:0")  # an explicit GPU is not the CPU mode
+
+
+def test_with_gpus_int_keys_are_gpus_and_a_missing_one_is_an_error(monkeypatch):
+    _gpus(monkeypatch, 2)
+    assert [resolve_device(k) for k in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    for key in (2, "cuda:2", torch.device("cuda", 5)):
+        with pytest.raises(ValueError, match=r"names GPU \d, but this machine has 2 GPUs \(cuda:0..cuda:1\); "
+                                             r"use fewer devices, or 'cpu'"):
+            resolve_device(key)
+
+
+@pytest.mark.parametrize("gpus, n, expected", [
+    (0, 4, ["cpu"] * 4), (4, 4, [f"cuda:{i}" for i in range(4)]), (4, 2, ["cuda:0", "cuda:1"]), (1, 1, ["cuda:0"]),
+])
+def test_devices_follows_the_same_rule(monkeypatch, gpus, n, expected):
+    _gpus(monkeypatch, gpus)
+    assert devices(n) == [torch.device(d) for d in expected]
+
+
+@pytest.mark.parametrize("gpus, n", [(1, 2), (2, 4), (3, 4)])
+def test_devices_between_none_and_enough_is_an_error(monkeypatch, gpus, n):
+    _gpus(monkeypatch, gpus)
+    message = rf"devices\(n={n}\) needs {n} GPUs, but this machine has {gpus} GPUs? \(cuda:0.*CUDA_VISIBLE_DEVICES="
+    with pytest.raises(ValueError, match=message):
+        devices(n)
+
+
+def test_a_map_naming_a_missing_gpu_fails_before_anything_moves(monkeypatch):
+    from torch import nn
+
+    from parallel_lib.model_parallel import parallelize_sequential
+
+    _gpus(monkeypatch, 1)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"device key 1 names GPU 1, but this machine has 1 GPU \(cuda:0\)"):
+        parallelize_sequential(model, {0: [0], 1: [1]})
+    assert all(p.device.type == "cpu" for p in model.parameters())  # on a real 1-GPU machine: nothing on cuda:0
+    assert not hasattr(model, "device_map")
 
 
 def test_balance_by_cost_with_equal_costs_is_get_device_map():

@@ -10,9 +10,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _timing import assert_clock_reads_follow_syncs, record_clock_reads
 
-from parallel_lib.data_parallel import DPConfig, run_dp, run_dp_many, single_process_reference, summarize
-from parallel_lib.data_parallel.dp import main
+from parallel_lib.data_parallel import (
+    PHASES,
+    DPConfig,
+    run_dp,
+    run_dp_many,
+    single_process_reference,
+    summarize,
+    train_replica,
+)
+from parallel_lib.data_parallel.cli import main
 from parallel_lib.runtime import launch
 
 # SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would hide a
@@ -76,8 +85,12 @@ def test_result_records_steps_epochs_and_timings(launched):
     steps = config.max_steps * config.epochs
     assert result.record.steps == result.local.steps == steps
     assert len(result.epoch_times) == config.epochs
-    assert set(result.breakdown) == {"data", "compute", "sync", "optimizer", "gc"}
+    assert set(result.breakdown) == set(PHASES) == {"data", "compute", "sync", "optimizer", "gc"}
+    assert result.breakdown is result.local.phases  # one record: the phases are the local record's
     assert all(len(v) == steps and min(v) >= 0 for v in result.breakdown.values())
+    for k in range(steps):  # a step is timed from its batch to its optimizer step; gc overlaps the phases
+        assert sum(result.breakdown[p][k] for p in ("compute", "sync", "optimizer")) == pytest.approx(
+            result.local.step_times[k])
     summary = summarize(by_sync["bucketed"], warmup=1)
     assert summary["ranks_identical"] and summary["world_size"] == world_size and summary["tokens_per_sec"] > 0
     assert not summarize(by_sync["none"])["ranks_identical"]
@@ -109,11 +122,47 @@ def test_run_dp_without_a_process_group_fails_clearly():
         run_dp(0, 1, SMALL)
 
 
-def test_command_line_trains_and_prints_a_summary(capsys):
-    assert main(["--world-size", "1", "--max-steps", "2", "--batch-size", "4", "--train-examples", "40",
-                 "--vocab-size", "300", "--val-examples", "8", "--sync", "naive"]) == 0
+TINY_RUN = ["--world-size", "1", "--batch-size", "4", "--train-examples", "40", "--vocab-size", "300",
+            "--val-examples", "8", "--sync", "naive"]
+
+
+def test_command_line_trains_prints_a_summary_and_saves_the_run(capsys, tmp_path):
+    assert main(TINY_RUN + ["--max-steps", "3", "--warmup", "1", "--save", str(tmp_path / "run.pt")]) == 0
     out = capsys.readouterr().out
-    assert "sync=naive" in out and "ranks_identical True" in out and "tokens_per_sec" in out
+    assert "sync=naive" in out and "ranks_identical True" in out
+    assert "target tokens/s (steps 1..2)" in out and "nan" not in out
+    saved = torch.load(tmp_path / "run.pt")
+    assert saved["rank"] == 0 and saved["world_size"] == 1 and len(saved["losses"]) == 3
+    assert saved["config"]["sync"] == "naive" and saved["summary"]["steps"] == 3
+    checksum = sum(tensor.double().sum() for name, tensor in saved["state"].items() if name != "lm_head.weight")
+    assert float(checksum) == pytest.approx(saved["checksums"][0], rel=1e-9)  # the tied head counted once
+
+
+def test_command_line_says_when_the_run_is_all_warm_up(capsys):
+    assert main(TINY_RUN + ["--max-steps", "2"]) == 0  # the summary skips 2 warm-up steps by default
+    out = capsys.readouterr().out
+    assert "tokens_per_sec" in out and "nan" not in out
+    assert "not measured: the run has 2 steps and the first 2 are warm-up; run more than 2 steps" in out
+
+
+def test_every_clock_read_of_a_rank_waits_for_its_own_device(monkeypatch):
+    import gc
+
+    import parallel_lib.data_parallel.dp as dp
+
+    log = record_clock_reads(monkeypatch, dp)
+    raw_reads = []  # perf_counter read in dp.py itself, without a device sync (only the GC clock may)
+    monkeypatch.setattr(dp, "time", type("Time", (), {"perf_counter": staticmethod(
+        lambda: raw_reads.append(1) or 0.0)}))
+    gc.disable()  # the GC clock reads the host clock when a collection runs: none during this test
+    try:
+        result = train_replica(0, 1, replace(SMALL, sync="none", max_steps=2, timeline_steps=1))
+    finally:
+        gc.enable()
+    reads = assert_clock_reads_follow_syncs(log, ("cpu",))  # the rank's device, and only it
+    assert reads >= 5 * 2 + 2, "t0..t4 of each step and the epoch's start and end"
+    assert raw_reads == []
+    assert [e.kind for e in result.events] == ["forward", "backward"]
 
 
 def test_drift_per_module_and_the_pictures(launched):

@@ -170,6 +170,71 @@ def test_bad_models_and_maps():
         parallelize(build_gpt2("tiny", vocab_size=VOCAB), {0: [0, 1], 1: [2]})
 
 
+# --- placement moves each part straight to its own device ----------------------------------------
+
+def _record_moves(monkeypatch):
+    """``id(tensor) -> [devices it was sent to]`` for every ``Tensor.to`` from now on.
+
+    Int keys resolve to distinct fake devices ``cpu:k`` (tensors stay on the CPU, but the
+    device each ``.to`` asked for is recorded), so a parameter sent to device 0 on its way
+    to device 2 shows up as ``[cpu:0, cpu:2]``.
+    """
+    import parallel_lib.model_parallel.placing as placing
+
+    sent = {}
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)):
+            sent.setdefault(id(self), []).append(torch.device(target))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(placing, "resolve_device",
+                        lambda key: torch.device("cpu", key) if isinstance(key, int) else torch.device(key))
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    return sent
+
+
+def _tensors_by_device(model, device_map):
+    """``(fake device, name, id)`` of every parameter and buffer of every placed part, taken before the move
+    (a buffer moved by ``.to`` is a new tensor; a parameter keeps its object)."""
+    return [(torch.device("cpu", key), f"{name}.{tensor_name}", id(tensor))
+            for key, name, part in placement(model, device_map)
+            for tensor_name, tensor in [*part.named_parameters(), *part.named_buffers()]]
+
+
+def _assert_moved_only_to_their_own_device(tensors, sent):
+    for own, name, tensor_id in tensors:
+        assert sent.get(tensor_id), f"{name} was never moved to {own}"
+        assert set(sent[tensor_id]) == {own}, f"{name} went to {sent[tensor_id]}, not only to {own}"
+
+
+@pytest.mark.parametrize("entries", sorted(MAPS))
+def test_parallelize_moves_every_parameter_straight_to_its_device(monkeypatch, entries):
+    model = build_gpt2("tiny", vocab_size=VOCAB)
+    tensors = _tensors_by_device(model, MAPS[entries])
+    sent = _record_moves(monkeypatch)
+    parallelize(model, MAPS[entries])
+    assert len(tensors) >= len(list(model.parameters()))
+    _assert_moved_only_to_their_own_device(tensors, sent)
+    # no block ever passed through the first device: that is what sinks GPU 0 for a model that needs MP
+    block_on_last = model.transformer.h[3].mlp.c_fc.weight
+    assert sent[id(block_on_last)] == [torch.device("cpu", entries - 1)]
+
+
+def test_buffers_move_with_their_module_and_loose_tensors_go_with_the_inputs(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.register_buffer("scale", torch.ones(1))  # belongs to no part: it goes where the inputs go, device 0
+    device_map = {0: [0, 1], 1: [2, 3]}
+    tensors, loose = _tensors_by_device(model, device_map), id(model.scale)
+    sent = _record_moves(monkeypatch)
+    parallelize_sequential(model, device_map)
+    assert len(tensors) == 8 + 6  # weights and biases of 4 layers; 3 buffers of each batch norm
+    _assert_moved_only_to_their_own_device(tensors, sent)
+    assert sent[loose] == [torch.device("cpu", 0)]
+
+
 def test_parallelize_default_map_uses_all_visible_devices():
     model = parallelize(build_gpt2("tiny", vocab_size=VOCAB))
     assert model.device_map == get_device_map(4, list(range(max(torch.cuda.device_count(), 1))))

@@ -1,9 +1,11 @@
 import matplotlib
 import pytest
+from _timing import assert_clock_reads_follow_syncs, record_clock_reads
 
 matplotlib.use("Agg")
 
 from parallel_lib.common import (
+    DeviceClock,
     Event,
     TimelineRecorder,
     busy_time,
@@ -63,9 +65,23 @@ def test_recorder_times_blocks_even_when_they_raise():
 def test_recorder_calls_synchronize_before_each_stamp():
     calls = []
     rec = TimelineRecorder(synchronize=lambda: calls.append(1))
+    assert len(calls) == 1  # the zero, too, is taken once the device is idle
     with rec.record("cuda:0", "forward"):
         pass
-    assert len(calls) == 2
+    assert len(calls) == 3
+    rec.reset()
+    assert len(calls) == 4
+
+
+def test_device_clock_waits_on_its_devices_only_then_reads_the_clock(monkeypatch):
+    import torch
+
+    log = record_clock_reads(monkeypatch)
+    clock = DeviceClock([torch.device("cuda:1"), torch.device("cpu"), torch.device("cuda:1")])
+    first, second = clock(), clock()
+    assert second >= first
+    assert assert_clock_reads_follow_syncs(log, ("cuda:1", "cpu")) == 2
+    assert repr(clock) == "DeviceClock(['cuda:1', 'cpu'])"
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(kind="idle"), "kind must be one of"),

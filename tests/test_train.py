@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _timing import assert_clock_reads_follow_syncs, record_clock_reads
 
 from parallel_lib.common import TrainRecord, build_gpt2, evaluate, forward_loss, train, weighted_cross_entropy
 from parallel_lib.data import collate_batch, get_tokenizer, load_corpus, partition_dataset
@@ -147,3 +148,48 @@ def test_train_progress_bar_and_bad_max_steps(model, collate, capsys):
     with pytest.raises(ValueError, match="max_steps must be a non-negative int"):
         train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, max_steps=-1)
     assert isinstance(TrainRecord(), TrainRecord) and math.isnan(TrainRecord().final_loss)
+
+
+# --- one timed-step record ---------------------------------------------------------------------------
+
+def test_every_clock_read_of_train_waits_for_the_models_devices(model, collate, monkeypatch):
+    log = record_clock_reads(monkeypatch)
+    batches = [collate(load_corpus("train", 4))] * 3
+    record = train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, progress=False,
+                   average_gradients_fn=lambda m: None)
+    # start, after backward, after the gradient sync, after the optimizer: four synchronised reads per step
+    assert assert_clock_reads_follow_syncs(log, ("cpu",)) == 4 * 3
+    assert set(record.phases) == {"compute", "sync", "optimizer"}
+    for k in range(3):
+        assert sum(record.phases[p][k] for p in record.phases) == pytest.approx(record.step_times[k])
+
+
+def test_train_record_phases_must_be_the_same_every_step():
+    record = TrainRecord()
+    record.append(2.0, 10, 0.5, {"compute": 0.4, "sync": 0.1})
+    record.append(1.0, 30, 0.5, {"sync": 0.2, "compute": 0.3})
+    assert record.phases == {"compute": [0.4, 0.3], "sync": [0.1, 0.2]}
+    with pytest.raises(ValueError, match=r"phases must name the same phases at every step: \['compute', 'sync'\] "
+                                         r"so far, got \['compute'\] at step 2"):
+        record.append(1.0, 30, 0.5, {"compute": 0.5})
+    plain = TrainRecord()
+    plain.append(2.0, 10, 0.5)  # a loop that does not split its steps
+    assert plain.phases == {} and plain.tokens_per_sec == [20.0]
+
+
+def test_train_record_from_steps_extend_and_the_throughput_after_warmup():
+    record = TrainRecord.from_steps([3.0, 2.0, 1.0], [10, 20, 30], [1.0, 0.5, 0.5], {"sync": [0.1, 0.2, 0.3]})
+    assert record.tokens_per_sec == [10.0, 40.0, 60.0] and record.phases == {"sync": [0.1, 0.2, 0.3]}
+    assert record.throughput() == 60 / 2.0 and record.throughput(skip=1) == 50 / 1.0
+    assert record.summary(warmup=1) == {"steps": 3, "tokens": 60, "seconds": 2.0, "tokens_per_sec": 50.0,
+                                        "final_loss": 1.0}
+    assert record.describe_throughput(1) == "50.0 target tokens/s (steps 1..2)"
+    assert math.isnan(record.throughput(skip=3))
+    assert record.describe_throughput(3) == ("not measured: the run has 3 steps and the first 3 are warm-up; "
+                                             "run more than 3 steps")
+    both = TrainRecord()
+    both.extend(record)
+    both.extend(record)
+    assert both.steps == 6 and both.losses == [3.0, 2.0, 1.0] * 2 and both.phases["sync"] == [0.1, 0.2, 0.3] * 2
+    with pytest.raises(ValueError, match=r"one entry per step, got lengths \{'losses': 2, 'tokens': 1"):
+        TrainRecord.from_steps([1.0, 2.0], [3], [1.0, 1.0])

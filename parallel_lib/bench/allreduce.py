@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
+from parallel_lib.common.tables import markdown_table
+from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.data_parallel.ring import (
     algorithm_bandwidth,
     allreduce_cost,
@@ -86,7 +87,7 @@ class Results:
 def _worker(rank: int, world_size: int, config: Config) -> tuple[dict[str, dict[int, list[float]]], float]:
     """This rank's seconds per repeat ``times[variant][nbytes]``, and its largest |ring - built-in|."""
     device = rank_device()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = DeviceClock([device])  # this rank's GPU only: a collective on it ends when its kernels have run
     ops = {"builtin": dist.all_reduce, "ring": ring_all_reduce}
     times: dict[str, dict[int, list[float]]] = {v: {} for v in VARIANTS}
     max_error = 0.0
@@ -99,12 +100,11 @@ def _worker(rank: int, world_size: int, config: Config) -> tuple[dict[str, dict[
         for repeat in range(config.warmup + config.repeats):
             for name, op in ops.items():
                 dist.barrier()
-                sync()
-                start = time.perf_counter()
+                start = clock()
                 op(x)
-                sync()
+                end = clock()
                 if repeat >= config.warmup:
-                    times[name].setdefault(nbytes, []).append(time.perf_counter() - start)
+                    times[name].setdefault(nbytes, []).append(end - start)
     return times, max_error
 
 
@@ -140,17 +140,18 @@ def _size(nbytes: int) -> str:
 def markdown(results: Results) -> str:
     """The pasteable table, headed by the machine and the fitted cost model."""
     c = results.config
-    lines = [f"All-reduce, {c.world_size} {results.backend} ranks on {results.machine}, float32, "
-             f"median of {c.repeats} (slowest rank per repeat). Bandwidths in GB/s.", "",
-             "| size | all_reduce ms | algbw | busbw | ring ms | algbw | busbw | ring speed vs all_reduce | model ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for s in c.sizes:
         cells = [_size(s)]
         for v in VARIANTS:
             cells += [f"{results.seconds[v][s] * 1e3:.3f}", f"{results.algbw(v, s) / 1e9:.2f}",
                       f"{results.busbw(v, s) / 1e9:.2f}"]
-        cells += [f"{results.ratio(s):.2f}×", f"{results.model_seconds(s) * 1e3:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells + [f"{results.ratio(s):.2f}×", f"{results.model_seconds(s) * 1e3:.3f}"])
+    header = ["size", "all_reduce ms", "algbw", "busbw", "ring ms", "algbw", "busbw", "ring speed vs all_reduce",
+              "model ms"]
+    lines = [f"All-reduce, {c.world_size} {results.backend} ranks on {results.machine}, float32, "
+             f"median of {c.repeats} (slowest rank per repeat). Bandwidths in GB/s.", "",
+             markdown_table(header, rows, align="r" * len(header))]
     lines += ["", f"Largest |ring_all_reduce - dist.all_reduce| over all sizes and ranks: {results.max_error:.2g}."]
     model = "Ring cost model 2(N-1)/N·S/B + 2(N-1)·α fitted to the ring: "
     lines += [model + (f"not fitted ({results.fit_error})." if results.fit_error else

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from parallel_lib.common.tables import markdown_table
 from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, run_dp, train_replica
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
@@ -118,17 +119,16 @@ def measure(config: Config = Config(), timeout: float = 1800.0) -> Results:
 def markdown(results: Results) -> str:
     """The pasteable table, headed by the machine, with the targets of the course."""
     c, n = results.config, results.config.world_size
+    names = {SOLO: "1 rank (baseline)", CEILING: f"{n} ranks, no sync (ceiling)"}
+    rows = [[names.get(variant, variant), results.ranks(variant), f"{results.step_seconds[variant] * 1e3:.1f}",
+             f"{results.tokens_per_sec(variant):,.0f}", f"{results.speedup(variant):.2f}×",
+             f"{results.speedup(variant) / results.ranks(variant):.0%}", f"{results.of_ceiling(variant):.2f}×"]
+            for variant in (SOLO, CEILING) + c.methods]
     lines = [f"Data-parallel GPT-2 ({results.model}) on {results.machine}, {results.device} ranks, "
              f"{c.per_rank_batch} rows x {c.max_length} positions per rank and step, median of {c.repeats} "
              f"repeats x {c.steps - c.warmup} steps.", "",
-             "| variant | ranks | ms / step | tokens/s | × 1 rank | scaling efficiency | × ceiling |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    names = {SOLO: "1 rank (baseline)", CEILING: f"{n} ranks, no sync (ceiling)"}
-    for variant in (SOLO, CEILING) + c.methods:
-        k = results.ranks(variant)
-        lines.append(f"| {names.get(variant, variant)} | {k} | {results.step_seconds[variant] * 1e3:.1f} | "
-                     f"{results.tokens_per_sec(variant):,.0f} | {results.speedup(variant):.2f}× | "
-                     f"{results.speedup(variant) / k:.0%} | {results.of_ceiling(variant):.2f}× |")
+             markdown_table(["variant", "ranks", "ms / step", "tokens/s", "× 1 rank", "scaling efficiency",
+                             "× ceiling"], rows, align="lrrrrrr")]
     if "bucketed" in c.methods:
         line = (f"bucketed: {results.speedup('bucketed'):.2f}× one rank (target >= 1.7× at 2 ranks), "
                 f"{results.of_ceiling('bucketed'):.2f}× the ceiling (target >= 0.9×)")

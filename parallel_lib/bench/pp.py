@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -30,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.common.timeline import synchronize_devices
+from parallel_lib.common.tables import markdown_table
+from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.pipeline_parallel.pipe import Pipe
 from parallel_lib.runtime.device import devices as stage_devices
 from parallel_lib.runtime.device import rank_device
@@ -121,11 +121,11 @@ def _stage_work(stage: nn.Module, x: torch.Tensor) -> None:
 
 
 def _timed(fn: Callable[[], None], devices: list[torch.device]) -> float:
-    synchronize_devices(devices)
-    start = time.perf_counter()
+    """Seconds ``fn`` took, until ``devices`` (and only those) ran the work it queued."""
+    clock = DeviceClock(devices)
+    start = clock()
     fn()
-    synchronize_devices(devices)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _in_threads(fns: list[Callable[[], None]]) -> None:
@@ -268,17 +268,17 @@ def _ms(seconds: float) -> str:
 def markdown(results: Results) -> str:
     """The results as Markdown: a table by runner and m, baselines, ceilings, target and verdict."""
     c, ms = results.config, results.config.micro_batches
+    rows = [["ideal p·m/(m+p−1)"] + [f"{ideal(m):.2f}×" for m in ms]]
+    for key, label in RUNNERS.items():
+        if key in results.steps:
+            row = results.steps[key]
+            rows.append([label] + [f"{_ms(row[m])} · {results.speedup(key, m):.2f}×" if m in row else "n/a"
+                                   for m in ms])
     lines = [f"### Pipeline parallelism, {P} stages — {results.machine}", "",
              f"Stages: {c.depth} × (Linear {c.width}→{c.width} + Tanh) each, batch {c.batch}, MSE loss, "
              f"devices {', '.join(results.devices)}; median of {c.repeats} interleaved repeats, "
              f"torch {torch.__version__}. Cells: step time · speedup over plain model parallelism.", "",
-             "| runner | " + " | ".join(f"m={m}" for m in ms) + " |", "|---" * (len(ms) + 1) + "|",
-             "| ideal p·m/(m+p−1) | " + " | ".join(f"{ideal(m):.2f}×" for m in ms) + " |"]
-    for key, label in RUNNERS.items():
-        if key in results.steps:
-            row = results.steps[key]
-            cells = [f"{_ms(row[m])} · {results.speedup(key, m):.2f}×" if m in row else "n/a" for m in ms]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+             markdown_table(["runner"] + [f"m={m}" for m in ms], rows)]
     baseline = f"{_ms(results.plain)} per step"
     ceilings = f"2 threads {results.thread_ceiling:.2f}×"
     if results.process_ceiling is not None:

@@ -6,6 +6,7 @@ from parallel_lib.common.checks import check_choice, check_int, check_number, po
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import (
+    DeviceClock,
     Event,
     TimelineRecorder,
     busy_time,
@@ -31,6 +32,7 @@ __all__ = [
     "Event",
     "TimelineRecorder",
     "synchronize_devices",
+    "DeviceClock",
     "lanes",
     "makespan",
     "busy_time",

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["Event", "TimelineRecorder", "synchronize_devices", "lanes", "makespan", "busy_time", "max_concurrency",
+__all__ = ["Event", "TimelineRecorder", "synchronize_devices", "DeviceClock", "lanes", "makespan", "busy_time", "max_concurrency",
            "idle_fraction"]
 
 KINDS = ("forward", "backward", "comm")
@@ -68,13 +68,15 @@ class TimelineRecorder:
         self._synchronize = synchronize
         self._lock = threading.Lock()
         self.events: list[Event] = []
-        self._zero = time.perf_counter()
+        self.reset()
 
     def reset(self) -> None:
-        """Forget recorded events and restart the clock at zero."""
+        """Forget recorded events and restart the clock at zero (once the device is idle, if one was given)."""
+        if self._synchronize is not None:
+            self._synchronize()
         with self._lock:
             self.events = []
-            self._zero = time.perf_counter()
+            self._zero: float = time.perf_counter()
 
     def now(self) -> float:
         """Seconds since zero, after synchronising the device if one was given."""
@@ -109,6 +111,29 @@ def synchronize_devices(devices: Iterable[torch.device]) -> None:
     for device in dict.fromkeys(devices):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+class DeviceClock:
+    """A clock for timing device work: ``clock()`` is ``time.perf_counter()`` read after
+    :func:`synchronize_devices` on the given devices.
+
+    Every timer in the library reads one of these, built with the devices the timed code
+    runs on and no others: a data-parallel rank's own GPU, a model's or a pipeline's stage
+    devices. Waiting on every GPU of the machine would tie one rank's timings to the others'.
+
+    Args:
+        devices: the devices whose queued kernels a clock read waits for (CPUs are skipped).
+    """
+
+    def __init__(self, devices: Iterable[torch.device]) -> None:
+        self.devices = list(dict.fromkeys(devices))
+
+    def __call__(self) -> float:
+        synchronize_devices(self.devices)
+        return time.perf_counter()
+
+    def __repr__(self) -> str:
+        return f"DeviceClock({[str(d) for d in self.devices]})"
 
 
 def lanes(events: Iterable[Event]) -> list[str]:

@@ -16,14 +16,15 @@ pad differently.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from parallel_lib.common.timeline import DeviceClock
 
 __all__ = ["TrainRecord", "weighted_cross_entropy", "forward_loss", "train", "evaluate"]
 
@@ -70,18 +71,68 @@ def forward_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 @dataclass
 class TrainRecord:
-    """What ``train`` measured, one entry per step (picklable: ranks can return it)."""
+    """What a training loop measured, one entry per step: the one timed-step record of the course.
+
+    ``train``, data-parallel ranks (their own steps, and the job's), the measured comparison
+    and the benchmarks all produce it, and read it back through :meth:`throughput` and
+    :meth:`summary`, so "tokens per second after warm-up" is computed in one place.
+    Picklable: ranks return it from ``launch``.
+
+    Attributes:
+        losses: the loss of each step (a mean over target tokens).
+        tokens: target tokens of each step.
+        step_times: seconds of each step, forward to optimizer step, devices synchronised.
+        tokens_per_sec: ``tokens / step_times`` of each step.
+        phases: seconds of each step by phase, e.g. ``{"compute": [...], "sync": [...]}``;
+            every phase has one entry per step (empty when the loop did not split its steps).
+    """
 
     losses: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # target tokens of the step
-    step_times: list[float] = field(default_factory=list)  # seconds, forward to optimizer step
+    tokens: list[int] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
     tokens_per_sec: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=dict)
 
-    def append(self, loss: float, tokens: int, seconds: float) -> None:
+    def append(self, loss: float, tokens: int, seconds: float, phases: Optional[Mapping[str, float]] = None) -> None:
+        """Record one step; ``phases`` (seconds by phase name) must name the same phases at every step.
+
+        Raises:
+            ValueError: ``phases`` names other phases than the steps before.
+        """
+        phases = dict(phases or {})
+        if self.steps and set(phases) != set(self.phases):
+            raise ValueError(f"phases must name the same phases at every step: {sorted(self.phases)} so far, "
+                             f"got {sorted(phases)} at step {self.steps}")
         self.losses.append(loss)
         self.tokens.append(tokens)
         self.step_times.append(seconds)
         self.tokens_per_sec.append(tokens / seconds if seconds > 0 else float("inf"))
+        for name, value in phases.items():
+            self.phases.setdefault(name, []).append(value)
+
+    def extend(self, other: TrainRecord) -> None:
+        """Append every step of ``other`` (e.g. the next epoch)."""
+        for k in range(other.steps):
+            self.append(other.losses[k], other.tokens[k], other.step_times[k],
+                        {name: values[k] for name, values in other.phases.items()})
+
+    @classmethod
+    def from_steps(cls, losses: Sequence[float], tokens: Sequence[int], step_times: Sequence[float],
+                   phases: Optional[Mapping[str, Sequence[float]]] = None) -> TrainRecord:
+        """A record from per-step lists, e.g. a job's view built from every rank's records.
+
+        Raises:
+            ValueError: lists of different lengths.
+        """
+        phases = dict(phases or {})
+        lengths = dict(losses=len(losses), tokens=len(tokens), step_times=len(step_times),
+                       **{f"phases[{name!r}]": len(values) for name, values in phases.items()})
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"every list needs one entry per step, got lengths {lengths}")
+        record = cls()
+        for k in range(len(losses)):
+            record.append(losses[k], tokens[k], step_times[k], {name: v[k] for name, v in phases.items()})
+        return record
 
     @property
     def steps(self) -> int:
@@ -100,13 +151,24 @@ class TrainRecord:
         return self.losses[-1] if self.losses else float("nan")
 
     def throughput(self, skip: int = 0) -> float:
-        """Target tokens per second over all steps but the first ``skip`` (warm-up)."""
+        """Target tokens per second over all steps but the first ``skip`` (warm-up).
+
+        NaN when no step is left after the warm-up: :meth:`describe_throughput` says so in words.
+        """
         tokens, seconds = sum(self.tokens[skip:]), sum(self.step_times[skip:])
         return tokens / seconds if seconds > 0 else float("nan")
 
-    def summary(self) -> dict[str, float]:
+    def describe_throughput(self, skip: int = 0) -> str:
+        """:meth:`throughput` as text, or why there is none (a run no longer than its warm-up)."""
+        if self.steps <= skip:
+            return (f"not measured: the run has {self.steps} step{'s' * (self.steps != 1)} and the first {skip} "
+                    f"are warm-up; run more than {skip} steps")
+        return f"{self.throughput(skip):,.1f} target tokens/s (steps {skip}..{self.steps - 1})"
+
+    def summary(self, warmup: int = 0) -> dict[str, float]:
+        """Steps, target tokens, seconds, tokens/s after ``warmup`` steps and the final loss."""
         return {"steps": self.steps, "tokens": self.total_tokens, "seconds": self.total_time,
-                "tokens_per_sec": self.throughput(), "final_loss": self.final_loss}
+                "tokens_per_sec": self.throughput(skip=warmup), "final_loss": self.final_loss}
 
 
 def _to_device(batch: Batch, device: torch.device | str | None) -> Batch:
@@ -133,7 +195,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
         max_steps: stop after this many steps.
 
     Returns:
-        The per-step ``TrainRecord``.
+        The per-step ``TrainRecord``, each step split into phases: "compute" (forward and
+        backward), "sync" (``average_gradients_fn``) and "optimizer". Every clock read first
+        waits for the devices that hold the model's parameters, so on GPUs a step's time is
+        when its kernels ran, not when they were queued.
 
     Raises:
         ValueError: ``max_steps`` negative.
@@ -145,19 +210,26 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
         batches, total = islice(batches, max_steps), max_steps if total is None else min(total, max_steps)
     model.train()
     record = TrainRecord()
+    # a clock read waits for the devices holding the model's parameters, and only those (per
+    # device: another program's GPU is not this loop's business); CPU devices have nothing queued
+    clock = DeviceClock(p.device for p in model.parameters())
     with tqdm(batches, desc=desc, total=total, disable=not progress, leave=False) as bar:
         for batch in bar:
             tokens = int(batch["label_token_weights"].sum().item())  # before the move: no device sync
             batch = _to_device(batch, device)
-            start = time.perf_counter()
+            start = clock()
             optimizer.zero_grad(set_to_none=True)
             loss = forward_loss(model, batch)
             loss.backward()
+            computed = clock()
             if average_gradients_fn is not None:
                 average_gradients_fn(model)
+            synced = clock()
             optimizer.step()
-            loss_value = loss.item()  # waits for the device, so the time below is the step's
-            record.append(loss_value, tokens, time.perf_counter() - start)
+            end = clock()
+            loss_value = loss.item()
+            record.append(loss_value, tokens, end - start,
+                          {"compute": computed - start, "sync": synced - computed, "optimizer": end - synced})
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record.tokens_per_sec[-1]:,.0f}", refresh=False)
     return record
 

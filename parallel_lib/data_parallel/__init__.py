@@ -5,7 +5,9 @@ all-reduce written from send/recv (its step record and cost model), and DP train
 """
 
 from parallel_lib.data_parallel.allreduce import BucketedAllReduce, average_gradients, grad_or_zeros
+from parallel_lib.data_parallel.cli import save_run, saved_run
 from parallel_lib.data_parallel.dp import (
+    PHASES,
     SYNC_METHODS,
     DPConfig,
     DPResult,
@@ -37,6 +39,7 @@ __all__ = [
     "average_gradients",
     "BucketedAllReduce",
     "SYNC_METHODS",
+    "PHASES",
     "DPConfig",
     "DPResult",
     "prepare_replica",
@@ -45,6 +48,8 @@ __all__ = [
     "train_replica",
     "single_process_reference",
     "summarize",
+    "saved_run",
+    "save_run",
     "Phase",
     "Transfer",
     "RingStep",

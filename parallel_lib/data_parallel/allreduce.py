@@ -31,10 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.common.timeline import TimelineRecorder
-from parallel_lib.data_parallel.ring import (
-    require_process_group,
-)
+from parallel_lib.common.timeline import TimelineRecorder, synchronize_devices
+from parallel_lib.data_parallel.ring import require_process_group
 
 __all__ = ["grad_or_zeros", "average_gradients", "BucketedAllReduce"]
 
@@ -48,6 +46,15 @@ def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
+
+
+def _completes_when_reduced(device: torch.device) -> bool:
+    """Whether an async all-reduce's future completes only once the sums are in the buffer.
+
+    True for gloo on the CPU. NCCL completes the future when the kernel is queued on the
+    GPU, so a timer must wait on the work and then synchronise the device instead.
+    """
+    return device.type == "cpu"
 
 
 def average_gradients(model: nn.Module) -> None:
@@ -75,6 +82,7 @@ class _Bucket:
     buffer: torch.Tensor                      # (sum of numels,) flat, one dtype and device
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient is final
     work: Optional[Any] = None                # the async all-reduce in flight, if any
+    stamped: Optional[Any] = None             # a future done once ``end`` is set (gloo: from the work's callback)
     launched: bool = False
     start: float = 0.0                        # recorder times of the all-reduce (with a recorder)
     end: Optional[float] = None
@@ -101,6 +109,9 @@ class BucketedAllReduce:
             lane "rank R comm" from its launch to its completion, with ``micro_batch`` the
             step (the number of earlier synchronize calls) and label "b<bucket index>". The
             ``recorder`` attribute may be changed between steps (None: record nothing).
+            Completion means the sums are in the bucket on its device: on a CPU, when gloo
+            completes the work; on a GPU, after waiting on the work and then synchronising
+            the bucket's device (NCCL completes a work's future when its kernel is queued).
 
     Raises:
         ValueError: ``bucket_cap_mb`` not positive or a model without trainable parameters.
@@ -162,11 +173,23 @@ class BucketedAllReduce:
             bucket.start, bucket.end = recorder.now(), None
         if self._all_reduce is None:  # [2] reduce: in the background; synchronize() waits
             bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
-            if recorder:  # the callback runs when the all-reduce completes, not when we look
-                bucket.work.get_future().then(lambda _: setattr(bucket, "end", recorder.now()))
+            if recorder and _completes_when_reduced(bucket.buffer.device):
+                # the callback runs when the all-reduce completes, not when synchronize() looks
+                def stamp(_: Any) -> None:
+                    bucket.end = recorder.now()
+
+                bucket.stamped = bucket.work.get_future().then(stamp)
         else:
-            self._all_reduce(bucket.buffer)
+            self._all_reduce(bucket.buffer)  # blocking on the host; its messages may still be queued on a GPU
+            if recorder:
+                self._stamp_end(bucket, recorder)
         bucket.launched = True
+
+    @staticmethod
+    def _stamp_end(bucket: _Bucket, recorder: TimelineRecorder) -> None:
+        """The bucket's end time: its device has run everything queued so far, the reduction included."""
+        synchronize_devices([bucket.buffer.device])  # this rank's device only
+        bucket.end = recorder.now()
 
     def synchronize(self) -> None:
         """Finish every bucket's all-reduce and write the mean gradients back into ``.grad``.
@@ -183,9 +206,12 @@ class BucketedAllReduce:
                 if bucket.work is not None:
                     bucket.work.wait(**self._wait)
                 if self.recorder:
-                    end = self.recorder.now() if bucket.end is None else bucket.end
-                    self.recorder.add(f"rank {dist.get_rank()} comm", "comm", self.steps, bucket.start, end,
-                                      f"b{i}")
+                    if bucket.stamped is not None:
+                        bucket.stamped.wait()  # the callback that set ``end`` has finished
+                    if bucket.end is None:  # not stamped on completion: a GPU bucket
+                        self._stamp_end(bucket, self.recorder)
+                    self.recorder.add(f"rank {dist.get_rank()} comm", "comm", self.steps, bucket.start,
+                                      bucket.end, f"b{i}")
                 bucket.buffer /= world_size
                 offset = 0
                 for p in bucket.params:  # [3] unpack: the mean back into each gradient
@@ -196,7 +222,7 @@ class BucketedAllReduce:
         finally:  # the next backward starts with empty buckets, also after an error
             for bucket in self.buckets:
                 bucket.ready.clear()
-                bucket.work = None
+                bucket.work = bucket.stamped = None
                 bucket.launched = False
 
     def __call__(self, model: Optional[nn.Module] = None) -> None:

@@ -15,20 +15,24 @@ method computes is then exactly the gradient of the global batch's token mean.
 :func:`single_process_reference` trains one process on those global batches with
 the plain ``parallel_lib.common.training.train`` loop, and the two agree to float precision.
 
-Run from a notebook with ``launch(run_dp, world_size, DPConfig(...))``, or::
+**Timing.** Every clock read first waits for this rank's own device
+(:class:`~parallel_lib.common.timeline.DeviceClock`): CUDA kernels run asynchronously, so
+without it "compute" would end when backward was queued and "sync" would absorb the rest.
+Per step, :attr:`DPResult.local` records the phases data, compute, sync, optimizer and gc.
 
-    python -m parallel_lib.data_parallel --world-size 2 --sync bucketed
+Run from a notebook with ``launch(run_dp, world_size, DPConfig(...))``, or from a shell
+(:mod:`parallel_lib.data_parallel.cli`)::
+
+    python -m parallel_lib.data_parallel --world-size 2 --sync bucketed [--save run.pt]
     torchrun --nproc-per-node 2 -m parallel_lib.data_parallel --sync ddp
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,7 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lib.common.models import build_gpt2
-from parallel_lib.common.timeline import Event, TimelineRecorder
+from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder, synchronize_devices
 from parallel_lib.common.training import TrainRecord, evaluate, train, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.partition import global_batch_indices, partition_dataset
@@ -46,13 +50,13 @@ from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
 from parallel_lib.data_parallel.allreduce import BucketedAllReduce, average_gradients
 from parallel_lib.data_parallel.ring import ring_all_reduce
 from parallel_lib.runtime.device import rank_device
-from parallel_lib.runtime.environment import machine_label
-from parallel_lib.runtime.launcher import is_torchrun, run
 
-__all__ = ["SYNC_METHODS", "DPConfig", "DPResult", "prepare_replica", "run_dp", "run_dp_many", "train_replica",
-           "single_process_reference", "summarize", "main"]
+__all__ = ["SYNC_METHODS", "PHASES", "DPConfig", "DPResult", "prepare_replica", "run_dp", "run_dp_many",
+           "train_replica", "single_process_reference", "summarize"]
 
 SYNC_METHODS = ("none", "naive", "bucketed", "ring", "ddp")
+# where a step's time goes on one rank (``DPResult.local.phases``); gc overlaps the others
+PHASES = ("data", "compute", "sync", "optimizer", "gc")
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class DPResult:
     """What one rank measured. ``record`` is the job's view and equal on every rank.
 
     ``record`` counts the global batch's target tokens per step, the slowest rank's step
-    time and the global token-mean loss; ``local`` is this rank's own shard and times.
+    time and the global token-mean loss; ``local`` is this rank's own shard and times,
+    each step split into :data:`PHASES` (``local.phases``, also as :attr:`breakdown`).
     """
 
     rank: int
@@ -95,11 +100,15 @@ class DPResult:
     record: TrainRecord
     local: TrainRecord
     epoch_times: list[float]           # seconds per epoch on this rank, data loading included
-    breakdown: dict[str, list[float]]  # per step on this rank: data, compute, sync, optimizer, gc seconds
     val_loss: float                    # this rank's replica on the validation pairs
     checksum: float                    # sum of all parameters (float64): equal ranks, equal sums
     state: Optional[dict[str, torch.Tensor]] = None
     events: list[Event] = field(default_factory=list)
+
+    @property
+    def breakdown(self) -> dict[str, list[float]]:
+        """Seconds per step on this rank by phase (:data:`PHASES`): ``local.phases``."""
+        return self.local.phases
 
 
 def _check_config(config: DPConfig) -> None:
@@ -177,10 +186,10 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
     net, sync = _sync_method(config, model, device)
     loader = partition_dataset(rank, world_size, pairs, batch_size=config.batch_size, collate_fn=collate,
                                seed=config.data_seed)
-    recorder = TimelineRecorder(torch.cuda.synchronize if device.type == "cuda" else None)
+    clock = DeviceClock([device])  # this rank's device only: another rank's GPU is not ours to wait for
+    recorder = TimelineRecorder(partial(synchronize_devices, [device]))
     lane = f"rank {rank}"
     local, epoch_times = TrainRecord(), []
-    breakdown: dict[str, list[float]] = {k: [] for k in ("data", "compute", "sync", "optimizer", "gc")}
     if config.timeline_steps and world_size > 1:
         dist.barrier()  # every rank's timeline starts at (nearly) the same moment
     recorder.reset()
@@ -189,12 +198,12 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
     try:
         for epoch in range(config.epochs):
             loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-            epoch_start = time.perf_counter()
+            epoch_start = clock()
             batches = iter(loader)
             for _ in range(min(len(loader), config.max_steps or len(loader))):
-                t0 = time.perf_counter()
+                t0 = clock()
                 batch = next(batches)
-                t1 = time.perf_counter()
+                t1 = clock()
                 local_tokens = int(batch["label_token_weights"].sum().item())
                 denominator = torch.tensor(float(local_tokens), dtype=torch.float64, device=device)
                 # [1] the global token count, so that the mean is global. Sent now and awaited
@@ -215,17 +224,16 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
                     loss = weighted_cross_entropy(logits, batch["labels"], batch["label_token_weights"], denominator)
                 with recorder.record(lane, "backward", global_step) if traced else nullcontext():
                     loss.backward()  # [2] ddp and overlapping buckets start all-reducing in here
-                t2 = time.perf_counter()
+                t2 = clock()  # backward has run on the device, not only been queued
                 if sync is not None:
                     sync(model)  # [3] the other methods all-reduce here; overlapping ones only wait
-                t3 = time.perf_counter()
+                t3 = clock()
                 optimizer.step()
+                t4 = clock()
                 loss_sum = loss.item() * denominator.item()  # this rank's sum of ce * weight
-                t4 = time.perf_counter()
-                local.append(loss_sum / max(local_tokens, 1), local_tokens, t4 - t1)
-                for key, seconds in zip(breakdown, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, gc_clock.take())):
-                    breakdown[key].append(seconds)
-            epoch_times.append(time.perf_counter() - epoch_start)
+                local.append(loss_sum / max(local_tokens, 1), local_tokens, t4 - t1,
+                             dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, gc_clock.take()))))
+            epoch_times.append(clock() - epoch_start)
     finally:
         gc.callbacks.remove(gc_clock)
         if isinstance(sync, BucketedAllReduce):
@@ -233,8 +241,7 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
     val_batches = [collate(chunk) for chunk in _chunks(load_corpus("validation", size=config.val_examples), 64)]
     params = [p.detach() for p in model.parameters()]
     return DPResult(rank, world_size, config, _model_name(config, device), str(device), record=TrainRecord(),
-                    local=local, epoch_times=epoch_times, breakdown=breakdown,
-                    val_loss=evaluate(model, val_batches),
+                    local=local, epoch_times=epoch_times, val_loss=evaluate(model, val_batches),
                     checksum=float(sum(p.double().sum() for p in params)),
                     state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
                     if config.return_state else None,
@@ -252,10 +259,9 @@ def _job_record(local: TrainRecord, device: torch.device) -> TrainRecord:
     slowest = torch.tensor(local.step_times, dtype=torch.float64, device=device)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    record = TrainRecord()
-    for loss_sum, tokens, seconds in zip(*sums.tolist(), slowest.tolist()):
-        record.append(loss_sum / max(tokens, 1), int(tokens), seconds)
-    return record
+    loss_sums, tokens = sums.tolist()
+    return TrainRecord.from_steps([s / max(t, 1) for s, t in zip(loss_sums, tokens)], [int(t) for t in tokens],
+                                  slowest.tolist())
 
 
 def run_dp(rank: int, world_size: int, config: DPConfig = DPConfig()) -> DPResult:
@@ -300,51 +306,19 @@ def single_process_reference(world_size: int, config: DPConfig) -> tuple[TrainRe
     for epoch in range(config.epochs):
         steps = global_batch_indices(pairs, world_size, config.batch_size, seed=config.data_seed, epoch=epoch)
         batches = [collate([pairs[i] for i in indices]) for indices in steps[:config.max_steps]]
-        epoch_record = train(model, optimizer, batches, progress=False)
-        for name in ("losses", "tokens", "step_times", "tokens_per_sec"):
-            getattr(record, name).extend(getattr(epoch_record, name))
+        record.extend(train(model, optimizer, batches, progress=False))
     return record, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def summarize(results: list[DPResult], warmup: int = 2) -> dict[str, Any]:
-    """The numbers a reader compares between runs, from every rank's result."""
+def summarize(results: Sequence[DPResult], warmup: int = 2) -> dict[str, Any]:
+    """The numbers a reader compares between runs, from every rank's result.
+
+    ``tokens_per_sec`` is the job's record's :meth:`~parallel_lib.common.training.TrainRecord.throughput`
+    after ``warmup`` steps: NaN for a run no longer than its warm-up (``main`` says so in words).
+    """
     first = results[0]
     return dict(sync=first.config.sync, world_size=first.world_size, model=first.model, device=first.device,
                 steps=first.record.steps, tokens_per_sec=first.record.throughput(skip=warmup),
                 epoch_times=[max(r.epoch_times[e] for r in results) for e in range(len(first.epoch_times))],
                 final_loss=first.record.final_loss, val_loss=[r.val_loss for r in results],
                 ranks_identical=len({r.checksum for r in results}) == 1)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m parallel_lib.data_parallel [--world-size N] [--sync METHOD] ...``; also under torchrun."""
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.data_parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=None, help="ranks to launch (default 2; "
-                        "under torchrun its --nproc-per-node x --nnodes)")
-    parser.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per rank")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
-    defaults = DPConfig()
-    for f in fields(DPConfig):
-        if f.name in ("timeline_steps", "return_state"):
-            continue
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        else:
-            kind = {"model": str, "max_steps": int, "train_examples": int}.get(f.name, type(value))
-            parser.add_argument(flag, type=kind, default=value, choices=SYNC_METHODS if f.name == "sync" else None)
-    args = vars(parser.parse_args(argv))
-    world_size = args.pop("world_size") or (None if is_torchrun() else 2)
-    launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
-    config = replace(defaults, **args)
-    results = run(run_dp, world_size, config, **launch_kwargs)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the results: print once
-        summary = summarize(results)
-        print(f"data-parallel GPT-2 on {machine_label()}: " + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
-        for key, value in summary.items():
-            if isinstance(value, list):
-                value = [round(v, 3) for v in value]
-            print(f"  {key:<15} {value:,.1f}" if isinstance(value, float) else f"  {key:<15} {value}")
-    return 0
-

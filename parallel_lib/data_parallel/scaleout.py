@@ -17,7 +17,8 @@ point trains the small :data:`REHEARSAL` run and saves the result, one file per 
     (the same with --out node1.pt, in a second terminal)
 
 The c10d rendezvous numbers nodes in the order it settles on, not the order they
-were started, so each file records the rank it holds.
+were started, so each file records the rank it holds. The files are the ones
+``python -m parallel_lib.data_parallel --save PATH`` writes, for the small :data:`REHEARSAL` run.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-import torch
-
 from parallel_lib.common.checks import positive_int
+from parallel_lib.data_parallel.cli import save_run, saved_run
 from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, run_dp
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
 
@@ -93,29 +93,26 @@ def train_and_save(config: DPConfig, out: Optional[Path], world_size: Optional[i
 
     Args:
         config: the run; its final parameters are kept whatever ``return_state`` says.
-        out: where this node's local rank 0 saves the result with ``torch.save`` (None: nowhere).
+        out: where this node's local rank 0 saves the result with ``torch.save`` (None: nowhere); the
+            same file as ``python -m parallel_lib.data_parallel --save`` writes
+            (:func:`~parallel_lib.data_parallel.cli.save_run`).
         world_size: ranks to launch outside torchrun (default 2); under torchrun None.
         threads_per_rank: torch threads per rank; equal thread counts give bit-equal
             results between a ``launch`` and a ``torchrun`` run.
         timeout: seconds for the launch, or for each collective under torchrun.
 
     Returns:
-        ``{"rank", "world_size", "checksums", "losses", "state"}``: the rank this process
-        is (0 outside torchrun), every rank's parameter checksum, the job's loss per
-        step and this rank's final ``state_dict`` on the CPU.
+        :func:`~parallel_lib.data_parallel.cli.saved_run` of the rank this process is (0 outside
+        torchrun): among others ``"rank"``, ``"world_size"``, every rank's ``"checksums"``, the job's
+        ``"losses"`` per step and this rank's final ``"state"`` on the CPU.
     """
     if world_size is None and not is_torchrun():
         world_size = 2
     results = run(run_dp, world_size, replace(config, return_state=True),
                   threads_per_rank=threads_per_rank, timeout=timeout)
-    info = RankInfo.from_env() if is_torchrun() else RankInfo(0, len(results), 0, 1)
-    mine = results[info.rank]
-    saved: dict[str, object] = dict(rank=info.rank, world_size=info.world_size,
-                                    checksums=[r.checksum for r in results], losses=mine.record.losses,
-                                    state=mine.state)
-    if out is not None and info.local_rank == 0:  # one file per node
-        torch.save(saved, out)
-    return saved
+    if out is not None:
+        save_run(results, out)  # one file per node
+    return saved_run(results, RankInfo.from_env().rank if is_torchrun() else 0)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -9,8 +9,9 @@ placement, the timeline lanes and the memory report.
 Device keys. A key is either an ``int`` (a device *index*, as the old Hugging Face
 maps used), a string such as ``"cuda:1"`` or ``"cpu"``, or a ``torch.device``.
 :func:`resolve_device` turns a key into the ``torch.device`` its layers run on: an
-int ``k`` becomes ``cuda:k`` when that GPU exists and ``cpu`` otherwise, while a
-string or ``torch.device`` is taken literally. Int keys are how a CPU-only machine
+int ``k`` becomes ``cuda:k``, or ``cpu`` on a machine without GPUs (a key naming a GPU
+the machine lacks is a ``ValueError``), while a string or ``torch.device`` is taken
+literally. Int keys are how a CPU-only machine
 says "several devices": the map ``{0: [0, 1], 1: [2, 3]}`` is recorded, validated
 and honoured (hidden states still cross from "device 0" to "device 1", and the
 timeline shows two lanes), yet every block computes on the CPU. The same notebook

@@ -87,17 +87,45 @@ def _to(obj: Any, device: torch.device) -> Any:
 
 
 def move_inputs(device: torch.device, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook (bound to ``device`` with ``partial``): every tensor argument moved to ``device``."""
     return _to(args, device), _to(kwargs, device)
 
 
+def _outside_parts(model: nn.Module, parts: list[tuple[DeviceKey, str, nn.Module]]) -> list[nn.Module]:
+    """``model`` and the submodules that belong to no placed part (for GPT-2: containers such as
+    ``transformer`` and ``drop``, which hold no tensors of their own)."""
+    inside = {id(m) for _, _, part in parts for m in part.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
+
+
 def place_layers(model: nn.Module, device_map: DeviceMap) -> nn.Module:
+    """Move each placed part straight to its device and hook its inputs there, in place.
+
+    Nothing passes through another device on the way: a model that needs model
+    parallelism is one that does not fit on one device, so first moving all of it to
+    the first device (and then the parts onward) would run that device out of memory.
+    Each part's parameters and buffers move with it; tensors that belong to no part go
+    with the model's inputs, to the first device.
+
+    Args:
+        model: as for :func:`placement`.
+        device_map: ``{device key: [layer indices]}``.
+
+    Returns:
+        The same model object, placed, with the map kept as ``model.device_map``.
+
+    Raises:
+        ValueError: a map that does not cover the layers once each, in order, or a key naming a
+            GPU this machine does not have (checked before anything moves).
+    """
     owners = placement(model, device_map)
+    targets = [resolve_device(key) for key, _, _ in owners]
     _remove_hooks(model)
-    first = resolve_device(owners[0][0])
-    model.to(first)  # anything not listed in the layout (buffers) stays with the inputs
+    first = targets[0]
+    for module in _outside_parts(model, owners):
+        module._apply(partial(torch.Tensor.to, device=first), recurse=False)  # its own tensors, not its children's
     hooks = [model.register_forward_pre_hook(partial(move_inputs, first), with_kwargs=True)]
-    for key, _, module in owners:
-        device = resolve_device(key)
+    for (_, _, module), device in zip(owners, targets):
         module.to(device)  # keeps Parameter objects, so the tied head stays tied
         hooks.append(module.register_forward_pre_hook(partial(move_inputs, device), with_kwargs=True))
     model.device_map = {key: list(layers) for key, layers in device_map.items()}
@@ -123,14 +151,16 @@ def parallelize(model: nn.Module, device_map: Optional[DeviceMap] = None) -> nn.
     Args:
         model: a ``transformers`` ``GPT2LMHeadModel`` or ``GPT2Model``.
         device_map: ``{device key: [layer indices]}``, keys as in :mod:`parallel_lib.model_parallel.device_map`; default:
-            :func:`get_device_map` over all visible GPUs, or one CPU device.
+            :func:`get_device_map` over all visible GPUs, or one CPU device. Each part moves straight
+            to its own device (see :func:`place_layers`).
 
     Returns:
         The same model object, placed.
 
     Raises:
         TypeError: ``model`` is not a GPT-2 (use :func:`parallelize_sequential`).
-        ValueError: a map that does not cover the layers once each, in order.
+        ValueError: a map that does not cover the layers once each, in order, or a key naming a
+            GPU this machine does not have.
     """
     if isinstance(model, nn.Sequential):
         raise TypeError("parallelize() takes a GPT-2 model; use parallelize_sequential() for nn.Sequential")
@@ -147,7 +177,8 @@ def parallelize_sequential(model: nn.Sequential, device_map: DeviceMap) -> nn.Se
 
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``.
-        ValueError: a map that does not cover the children once each, in order.
+        ValueError: a map that does not cover the children once each, in order, or a key naming a
+            GPU this machine does not have.
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model must be an nn.Sequential, got {type(model).__name__}")

@@ -124,12 +124,15 @@ def measure_step_timeline(device_map: Optional[DeviceMap] = None, batch_size: in
     least disturbed by other programs on the machine. The lanes are the map's keys.
 
     Args:
-        device_map: default ``get_device_map(4, [0, 1, 2, 3])``.
+        device_map: default: the 4 blocks over 4 devices, or over every GPU when there are 1 to 3
+            (int keys must name GPUs that exist, see :func:`~parallel_lib.runtime.device.resolve_device`).
         batch_size: rows per step.
         seq_len: tokens per row.
         steps: steps to record (after one warm-up step).
     """
-    model = parallelize(build_gpt2("tiny", vocab_size=1024), device_map or get_device_map(4, [0, 1, 2, 3]))
+    if device_map is None:
+        device_map = get_device_map(4, list(range(min(torch.cuda.device_count(), 4) or 4)))
+    model = parallelize(build_gpt2("tiny", vocab_size=1024), device_map)
     ids = torch.randint(0, 1024, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is as fast, and spared oversubscribed cores' stalls

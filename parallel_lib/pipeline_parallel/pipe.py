@@ -147,7 +147,7 @@ class Pipe(nn.Module):
         module: the layers, in order; each takes and returns one tensor.
         devices: one device key per stage, layers balanced as by
             :func:`~parallel_lib.model_parallel.device_map.get_device_map` (``[0, 1]``: GPUs 0 and 1, or the
-            CPU where they do not exist, see :func:`~parallel_lib.model_parallel.device_map.resolve_device`;
+            CPU on a machine without GPUs, see :func:`~parallel_lib.model_parallel.device_map.resolve_device`;
             ``["cpu", "cpu"]`` and :func:`parallel_lib.runtime.device` lists work too); or a
             device map ``{device: [layer indices]}`` for an explicit split.
         chunks: number of micro-batches (default 1); give this or ``split_size``.

@@ -21,16 +21,16 @@ as it sends them and checks those formulas.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
 import torch
 
+from parallel_lib.common import tables
 from parallel_lib.common.models import build_gpt2, count_parameters
-from parallel_lib.common.timeline import idle_fraction
-from parallel_lib.common.training import forward_loss, train, weighted_cross_entropy
+from parallel_lib.common.timeline import DeviceClock, idle_fraction
+from parallel_lib.common.training import TrainRecord, forward_loss, train, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
 from parallel_lib.data_parallel.dp import DPConfig, run_dp
@@ -106,17 +106,19 @@ def _handover_bytes(model: torch.nn.Module, boundary: float) -> float:
     return max(sent.values(), default=0.0)
 
 
-def _throughput(tokens: list[float], seconds: list[float], warmup: int) -> float:
-    return sum(tokens[warmup:]) / sum(seconds[warmup:])
-
-
 def measure(config: CompareConfig = CompareConfig()) -> list[Measured]:
     """Run every strategy on the same workload; rows in the order 1 device, DP, MP, PP.
 
     Threads: one per rank (DP), per stage (PP) and for the single process, so that on a
     CPU every strategy runs on the cores it would own as devices (the caller's thread
-    count is restored afterwards).
+    count is restored afterwards). Every strategy's steps are timed into a
+    :class:`~parallel_lib.common.training.TrainRecord`, each clock read after its devices
+    finished their queued work, and tokens/s is its throughput after ``config.warmup`` steps.
+
+    Raises:
+        ValueError: ``config.n_devices`` GPUs asked for on a machine with fewer (and some).
     """
+    devices(config.n_devices)  # by the device rule: fail before any strategy has run
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -169,20 +171,21 @@ def _measure(config: CompareConfig) -> list[Measured]:
 
     stages = gpt2_stages(copy.deepcopy(reference), devices(p))
     optimizer = adamw(stages)
-    tokens, seconds = [], []
+    record = TrainRecord()
     with Pipe(stages, stages.devices, chunks=config.micro_batches, schedule="1f1b") as pipe:
+        clock = DeviceClock(pipe.devices)  # the stages' devices: a step ends when the last one is done
         for batch in batches:
             weights = batch["label_token_weights"]
             loss_fn = partial(weighted_cross_entropy, denominator=weights.sum())
-            start = time.perf_counter()
+            start = clock()
             optimizer.zero_grad(set_to_none=True)
-            pipe.train_step(batch["input_ids"], (batch["labels"], weights), loss_fn, reduction="sum")
+            loss = pipe.train_step(batch["input_ids"], (batch["labels"], weights), loss_fn, reduction="sum")
             optimizer.step()
-            seconds.append(time.perf_counter() - start)
-            tokens.append(weights.sum().item())
+            end = clock()
+            record.append(loss.item(), int(weights.sum().item()), end - start)
         bubble = idle_fraction(pipe.timeline.events)
         state = max(_state_bytes(part, optimizer) for part in pipe.partitions)
-    rows.append(Measured("PP", p, _throughput(tokens, seconds, config.warmup), state, estimate.per_device(p),
+    rows.append(Measured("PP", p, record.throughput(skip=config.warmup), state, estimate.per_device(p),
                          boundary, bubble, f"Pipe(1F1B, m={config.micro_batches}) over {p} stages (chapter 04)"))
     return rows
 
@@ -190,13 +193,10 @@ def _measure(config: CompareConfig) -> list[Measured]:
 def markdown_table(rows: list[Measured], machine: Optional[str] = None) -> str:
     """The comparison as Markdown, one row per strategy, with the rule of thumb from the planner."""
     base = rows[0].tokens_per_sec
-    lines = [f"Measured on {machine or machine_label()}.", "",
-             "| strategy | devices | memory per device, measured (estimate) | tokens/s (vs 1 device) | "
-             "sent per device per step | bubble | when to use |", "|---" * 7 + "|"]
-    for r in rows:
-        when = WHEN_TO_USE.get(r.strategy, "the reference: no parallelism")
-        bubble = "—" if r.bubble is None else f"{r.bubble:.0%}"
-        lines.append(f"| {r.strategy} | {r.devices} | {r.state_bytes / 1e6:.2f} MB ({r.estimate_bytes / 1e6:.2f} MB) | "
-                     f"{r.tokens_per_sec:,.0f} ({r.tokens_per_sec / base:.2f}×) | {r.comm_bytes / 1e6:.2f} MB | "
-                     f"{bubble} | {when} |")
-    return "\n".join(lines)
+    cells = [[r.strategy, r.devices, f"{r.state_bytes / 1e6:.2f} MB ({r.estimate_bytes / 1e6:.2f} MB)",
+              f"{r.tokens_per_sec:,.0f} ({r.tokens_per_sec / base:.2f}×)", f"{r.comm_bytes / 1e6:.2f} MB",
+              "—" if r.bubble is None else f"{r.bubble:.0%}", WHEN_TO_USE.get(r.strategy, "the reference: no parallelism")]
+             for r in rows]
+    header = ["strategy", "devices", "memory per device, measured (estimate)", "tokens/s (vs 1 device)",
+              "sent per device per step", "bubble", "when to use"]
+    return f"Measured on {machine or machine_label()}.\n\n" + tables.markdown_table(header, cells)
