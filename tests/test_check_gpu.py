@@ -10,11 +10,8 @@ were called. ``--allow-cpu`` runs the script itself that way.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import types
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +29,6 @@ from parallel_lib.check_gpu import (
     plan,
     register_check,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("n_devices, n_layers, expected", [
@@ -200,14 +195,14 @@ def test_no_gpu_message_names_the_cause(monkeypatch, cuda, expected):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this machine has a GPU: the script checks it instead")
-def test_module_entry_point_smoke_run_on_the_cpu():
-    # without --allow-cpu it would exit NOTHING_CHECKED (test_main_without_gpu_...)
-    smoke = subprocess.run([sys.executable, "-m", "parallel_lib.check_gpu", "--allow-cpu", "--only", "model_parallel"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
-    assert "## 03_model_parallel: model_parallel on 2 CPU devices" in smoke.stdout
-    assert "| cpu, cpu | 2+2 | 0.0e+00 |" in smoke.stdout
-    assert "| model_parallel | 03_model_parallel | passed |" in smoke.stdout
+def test_smoke_run_on_the_cpu_as_ci_runs_it(capsys):
+    # python -m parallel_lib.check_gpu --allow-cpu --only model_parallel, in this process (no start-up cost);
+    # without --allow-cpu it exits NOTHING_CHECKED (test_main_without_gpu_...)
+    assert check_gpu.main(["--allow-cpu", "--only", "model_parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "## 03_model_parallel: model_parallel on 2 CPU devices" in out
+    assert "| cpu, cpu | 2+2 | 0.0e+00 |" in out
+    assert "| model_parallel | 03_model_parallel | passed |" in out
 
 
 # --- the checks, on CPU "devices" -----------------------------------------------------------------
