@@ -136,12 +136,12 @@ def check_dp(n_gpus: int, quick: bool = False) -> str:
         worst = max(_max_difference(reference, (torch.tensor(runs[k].record.losses), runs[k].state or {}),
                                     f"sync={method!r} on rank {runs[k].rank}") for runs in per_rank)
         identical = len({runs[k].checksum for runs in per_rank}) == 1
-        rows.append([method, "yes", f"{worst:.1e}", "yes" if identical else "no"])
-    table = markdown_table(["sync", "parameters match", "max abs difference", "ranks bit-identical"], rows, "llrl")
+        rows.append([method, f"{worst:.1e}", "yes" if identical else "no"])
+    table = markdown_table(["sync", "max abs parameter difference", "ranks bit-identical"], rows, "lrl")
     results = bench_dp.measure(replace(bench_dp.QUICK if quick else bench_dp.Config(), world_size=n_gpus))
     return "\n".join([f"Data parallel, {n_gpus} ranks on {per_rank[0][0].device} .. {per_rank[-1][0].device}, "
-                      f"{expected_record.steps} SGD steps vs one process on the CPU:", "", table, "",
-                      bench_dp.markdown(results)])
+                      f"{expected_record.steps} SGD steps: every sync method's parameters match one process "
+                      "on the CPU's:", "", table, "", bench_dp.markdown(results)])
 
 
 def check_allreduce(n_gpus: int, quick: bool = False) -> str:

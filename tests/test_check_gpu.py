@@ -258,7 +258,7 @@ def test_dp_check_on_gloo_ranks(monkeypatch):
     text = check_gpu.check_dp(2, quick=True)
 
     for method in ("naive", "bucketed", "ring", "ddp"):
-        assert f"| {method} | yes | " in text
+        assert f"| {method} | " in text and text.count(f"| {method} | ") == 1
     assert "Data parallel, 2 ranks on cpu .. cpu, 3 SGD steps" in text
     assert text.endswith("dp table of results")
     assert [(c.world_size, c.steps) for c in bench_configs] == [(2, gpu_checks.bench_dp.QUICK.steps)]
