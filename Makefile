@@ -37,7 +37,7 @@ bench: $(STAMP)
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10 or newer is needed, got " + sys.version)'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q --no-index --no-deps 'torch>=2.2' 2>/dev/null || true
+	$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q --no-index --no-deps 'torch>=2.4' 2>/dev/null || true
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
