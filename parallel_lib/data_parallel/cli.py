@@ -58,6 +58,7 @@ def save_run(results: Sequence[DPResult], path: Path) -> Optional[dict[str, Any]
     if me.local_rank != 0:
         return None
     saved = saved_run(results, me.rank)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # build/rehearsal/ on a fresh clone
     torch.save(saved, path)
     return saved
 
