@@ -15,6 +15,7 @@ tick, ``m`` number of micro-batches, ``p`` number of stages.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Container, Iterable, Iterator, Literal, Sequence, Union
@@ -223,8 +224,10 @@ def validate_schedule(schedule: Schedule, require_backward: bool = True) -> None
     ``B(i)``, and the per-stage orders must allow all of that without a deadlock.
 
     Raises:
-        ValueError: naming the stage and the action that breaks a rule.
+        ValueError: no stage or no micro-batch, or naming the stage and the action that breaks a rule.
     """
+    positive_int("num_stages", schedule.num_stages)  # a schedule of nothing would pass every rule below
+    positive_int("num_micro_batches", schedule.num_micro_batches)
     if len(schedule.stages) != schedule.num_stages:
         raise ValueError(f"schedule has {len(schedule.stages)} stage lists for "
                          f"num_stages={schedule.num_stages}")
@@ -249,8 +252,8 @@ def _normalise_costs(stage_costs: Union[StageCost, Sequence[StageCost]], p: int)
         costs = [tuple(stage_costs)] * p  # one (forward, backward) pair for every stage
     else:
         costs = [tuple(c) for c in stage_costs]  # type: ignore[union-attr]
-    if len(costs) != p or any(len(c) != 2 or min(c) < 0 for c in costs):
-        raise ValueError(f"stage_costs must be one (forward, backward) pair of non-negative costs or "
+    if len(costs) != p or any(len(c) != 2 or not all(math.isfinite(x) and x >= 0 for x in c) for c in costs):
+        raise ValueError(f"stage_costs must be one (forward, backward) pair of finite, non-negative costs or "
                          f"{p} of them (one per stage), got stage_costs={stage_costs!r}")
     return costs  # type: ignore[return-value]
 
@@ -270,7 +273,8 @@ def simulate(schedule: Schedule, stage_costs: Union[StageCost, Sequence[StageCos
         One :class:`Event` per action on lanes ``"stage j"``, in completion order.
 
     Raises:
-        ValueError: an invalid schedule or badly shaped ``stage_costs``.
+        ValueError: an invalid schedule, badly shaped ``stage_costs`` or a cost that is
+            negative, NaN or infinite.
     """
     costs = _normalise_costs(stage_costs, schedule.num_stages)
     validate_schedule(schedule, require_backward=any(a.kind == "B" for a in schedule.stages[0]))
