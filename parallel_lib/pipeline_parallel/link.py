@@ -44,6 +44,9 @@ class Message:
     kind: Literal["activation", "gradient"]
     micro_batch: int
 
+    def __str__(self) -> str:
+        return f"{self.kind} {self.micro_batch}"
+
     @property
     def step(self) -> int:
         """The neighbour it goes to (+1 for activations) or comes from, relative to the stage."""
@@ -57,6 +60,11 @@ class Exchange:
     before: int  # index of the next action in the stage's list (== len(list) after the last)
     sends: list[Message] = field(default_factory=list)
     recvs: list[Message] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [f"send {', '.join(map(str, self.sends))}"] * bool(self.sends)
+        parts += [f"receive {', '.join(map(str, self.recvs))}"] * bool(self.recvs)
+        return "[" + " | ".join(parts) + "]"
 
 
 def exchange_plan(schedule: Schedule, j: int, paired: bool = True) -> list[Exchange]:
@@ -128,7 +136,7 @@ def find_deadlock(schedule: Schedule, paired: bool = True) -> Optional[str]:
                 at[j] += 1
                 progressed = True
         if not progressed:
-            waiting = [f"stage {j} in exchange {plans[j][at[j]]}" for j in range(p) if at[j] < len(plans[j])]
+            waiting = [f"stage {j} waits in {plans[j][at[j]]}" for j in range(p) if at[j] < len(plans[j])]
             return "deadlock: " + "; ".join(waiting)
     return None
 
