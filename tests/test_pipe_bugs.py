@@ -296,3 +296,30 @@ def test_each_stage_waits_only_on_its_own_device(monkeypatch):
     assert synced == [[torch.device("cuda", 1)]] * 2  # before the start stamp and before the end stamp
     with Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [0, 1]) as pipe:
         assert pipe.timeline._synchronize is None  # no recorder-wide sync of every stage's GPU
+
+
+def test_scatter_and_gather_handle_tuples_and_short_batches():
+    from parallel_lib.pipeline_parallel import gather, scatter
+    hidden, mask = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    parts = scatter((hidden, mask), chunks=3)
+    assert [tuple(t.size(0) for t in part) for part in parts] == [(2, 2), (2, 2), (1, 1)]
+    back = gather(parts)
+    assert torch.equal(back[0], hidden) and torch.equal(back[1], mask)
+    assert [len(x) for x in scatter(torch.zeros(2, 3), chunks=8)] == [1, 1]  # short batch: one row each
+    with pytest.raises(ValueError, match=r"the same number in every tensor, got rows \[5, 4\]"):
+        scatter((hidden, mask[:4]), chunks=2)
+    with pytest.raises(TypeError, match="batch must be a tensor, or a tuple of tensors"):
+        scatter([hidden], chunks=2)
+
+
+def test_a_stage_runner_cuts_its_input_so_its_backward_is_its_own():
+    from parallel_lib.pipeline_parallel import StageRunner
+    first = StageRunner(nn.Linear(2, 2), torch.device("cpu"), first=True)
+    last = StageRunner(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 1)), torch.device("cpu"), first=False)
+    saved0, y = first.forward(torch.randn(3, 2))
+    assert not y.requires_grad  # handed over detached
+    saved1, loss = last.forward(y, loss=lambda out: out.sum())
+    grad = last.backward(saved1, None)
+    assert first.module.weight.grad is None  # stage 1's backward stopped at its own input
+    assert grad.shape == (3, 2)
+    assert first.backward(saved0, grad) is None and first.module.weight.grad is not None
