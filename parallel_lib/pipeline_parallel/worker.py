@@ -187,10 +187,10 @@ class Workers:
         self._stop.set()
         for q in self._in_queues:
             q.put(None)
-        for thread in self._threads:
+        # leftovers until joined, so that an interrupt of the join itself loses track of none
+        threads, self._threads, self._in_queues = self._threads, [], []
+        self._leftovers += threads
+        for thread in threads:
             thread.join(timeout)
-        stuck = [t for t in self._threads if t.is_alive()]
-        self._leftovers += stuck
-        self._threads = []
-        self._in_queues = []
-        return [t.name for t in stuck]
+        self._leftovers = [t for t in self._leftovers if t.is_alive()]
+        return [t.name for t in threads if t.is_alive()]
