@@ -243,3 +243,11 @@ def test_a_message_matched_with_the_wrong_micro_batch_is_found():
     F, B = (lambda i: Action("F", i)), (lambda i: Action("B", i))
     swapped = Schedule("swapped", 2, 2, ((F(0), F(1), B(0), B(1)), (F(1), F(0), B(0), B(1))))
     assert "is matched with" in find_deadlock(swapped)
+
+
+def test_bucketed_all_reduce_takes_a_group_or_a_custom_all_reduce_not_both():
+    from torch import nn
+
+    from parallel_lib.data_parallel import BucketedAllReduce
+    with pytest.raises(ValueError, match="give all_reduce or group, not both"):
+        BucketedAllReduce(nn.Linear(2, 2), all_reduce=lambda t: None, group=object())

@@ -3,7 +3,6 @@ test_worker and test_microbatch ideas (written anew here) found, one test each, 
 classroom faults (an interrupted step, a tuple target with the wrong reduction) and bad input."""
 
 import copy
-import functools
 import math
 import threading
 import time

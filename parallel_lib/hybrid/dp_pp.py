@@ -49,8 +49,8 @@ steps [3] and [4] in :mod:`parallel_lib.hybrid.gradients`, results in :mod:`para
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch

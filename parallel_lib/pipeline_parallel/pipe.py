@@ -45,8 +45,8 @@ from parallel_lib.pipeline_parallel.microbatch import (
     split_layers,
     split_like,
 )
-from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, action_ready, make_schedule
 from parallel_lib.pipeline_parallel.run import LossFn, PipelineRun
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, action_ready, make_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.worker import Task, Workers
 from parallel_lib.runtime.device import DeviceKey, resolve_device
@@ -107,9 +107,9 @@ class Pipe(nn.Module):
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, ``devices`` a single key instead of a
             list, or a device key of the wrong type.
-        ValueError: a layer or parameter held twice, no devices, more stages than layers, a device map that does not cover
-            the layers in order or leaves a stage empty, ``chunks``/``split_size`` below 1 or both
-            given, an unknown schedule, ``num_threads`` or ``timeout`` not positive.
+        ValueError: a layer or parameter held twice, no devices, more stages than layers, a device
+            map that does not cover the layers in order or leaves a stage empty, ``chunks``/``split_size``
+            below 1 or both given, an unknown schedule, ``num_threads`` or ``timeout`` not positive.
     """
 
     def __init__(self, module: nn.Sequential, devices: Union[Sequence[DeviceKey], DeviceMap],
