@@ -322,3 +322,15 @@ def test_a_stage_runner_cuts_its_input_so_its_backward_is_its_own():
     assert first.module.weight.grad is None  # stage 1's backward stopped at its own input
     assert grad.shape == (3, 2)
     assert first.backward(saved0, grad) is None and first.module.weight.grad is not None
+
+
+def test_the_receiving_stage_moves_its_input_to_its_own_device_once():
+    """The documented GPU design: the hand-over is one ``Tensor.to`` onto the stage's device (ordered on
+    both devices' current streams by PyTorch), and the cut adds no second copy."""
+    from parallel_lib.pipeline_parallel.stage import cut
+    x, mask = torch.randn(2, 3), torch.ones(2, dtype=torch.long)
+    leaves, (inputs, mask_in) = cut((x, mask), torch.device("meta"))  # "meta": a device other than x's
+    assert all(t.device.type == "meta" for t in (*leaves, inputs, mask_in))
+    leaves, inputs = cut(x, torch.device("cpu"))
+    assert leaves[0].requires_grad and not inputs.is_leaf and inputs.data_ptr() == x.data_ptr()
+    assert not cut(mask, torch.device("cpu"))[0][0].requires_grad  # integer tensors carry no gradient
