@@ -66,6 +66,10 @@ def like(template: TensorOrTensors, tensors: tuple[Tensor, ...]) -> TensorOrTens
     return tensors[0] if isinstance(template, Tensor) else tensors
 
 
+def _moved(x: TensorOrTensors, device: torch.device) -> TensorOrTensors:
+    return like(x, tuple(t.to(device) for t in as_tuple(x)))
+
+
 class _Cut(torch.autograd.Function):
     """Identity whose output is not a leaf but shares the input's memory [2]."""
 
@@ -106,7 +110,7 @@ class StageRunner:
 
     def run(self, x: TensorOrTensors) -> TensorOrTensors:
         """The stage on ``x`` without cutting: with grad on, the output stays attached to ``x``'s graph."""
-        return self.module(like(x, tuple(t.to(self.device) for t in as_tuple(x))))
+        return self.module(_moved(x, self.device))
 
     def forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]] = None
                 ) -> tuple[Saved, TensorOrTensors]:
@@ -117,7 +121,7 @@ class StageRunner:
             loss: on the last stage, maps the output to the micro-batch's (weighted) loss.
         """
         if self.first:
-            leaves, inputs = (), like(x, tuple(t.to(self.device) for t in as_tuple(x)))
+            leaves, inputs = (), _moved(x, self.device)
         else:
             leaves, inputs = cut(x, self.device)
         y = self.module(inputs)
