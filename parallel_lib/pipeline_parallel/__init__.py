@@ -24,15 +24,14 @@ from parallel_lib.pipeline_parallel.schedule import (
     bubble_fraction,
     clock_cycles,
     gpipe,
-    in_flight,
     make_schedule,
     one_f_one_b,
     simulate,
-    stage_costs_from_events,
     stage_lane,
     validate_schedule,
 )
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
+from parallel_lib.pipeline_parallel.timeline_stats import in_flight, stage_costs_from_events
 from parallel_lib.pipeline_parallel.worker import THREAD_PREFIX, Task, Workers
 
 __all__ = [

@@ -16,9 +16,8 @@ tick, ``m`` number of micro-batches, ``p`` number of stages.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
-from typing import Container, Iterable, Iterator, Literal, Sequence, Union
+from typing import Container, Iterator, Literal, Sequence, Union
 
 from parallel_lib.common.checks import positive_int
 from parallel_lib.common.timeline import Event
@@ -37,8 +36,6 @@ __all__ = [
     "bubble_fraction",
     "stage_lane",
     "action_ready",
-    "stage_costs_from_events",
-    "in_flight",
 ]
 
 Kind = Literal["F", "B"]
@@ -286,38 +283,3 @@ def bubble_fraction(p: int, m: int) -> float:
     """Idle share of a GPipe or 1F1B pipeline with equal stage costs: ``(p - 1) / (m + p - 1)``."""
     _check_sizes(p, m)
     return (p - 1) / (m + p - 1)
-
-
-def in_flight(events: Iterable[Event], time: float) -> list[int]:
-    """Micro-batches whose activations each stage holds at ``time``: forward begun, backward not done.
-
-    This is the activation memory of a schedule in units of one micro-batch's
-    activations per stage: GPipe climbs to m, 1F1B stays at most p.
-    """
-    events = list(events)
-    p = 1 + max((int(e.lane.split()[-1]) for e in events), default=-1)
-    held = [0] * p
-    done = {(e.lane, e.micro_batch) for e in events if e.kind == "backward" and e.end <= time}
-    for e in events:
-        if e.kind == "forward" and e.start < time and (e.lane, e.micro_batch) not in done:
-            held[int(e.lane.split()[-1])] += 1
-    return held
-
-
-def stage_costs_from_events(events: Iterable[Event], p: int) -> list[StageCost]:
-    """Median measured (forward, backward) duration per stage, to feed :func:`simulate`.
-
-    Raises:
-        ValueError: a stage without forward or backward events.
-    """
-    events = list(events)
-    costs = []
-    for j in range(p):
-        pair = []
-        for kind in ("forward", "backward"):
-            durations = [e.duration for e in events if e.lane == stage_lane(j) and e.kind == kind]
-            if not durations:
-                raise ValueError(f"no {kind} events on lane {stage_lane(j)!r}; pass a training step's timeline")
-            pair.append(statistics.median(durations))
-        costs.append((pair[0], pair[1]))
-    return costs
