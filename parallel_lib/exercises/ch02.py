@@ -26,6 +26,7 @@ from parallel_lib.exercises._core import (
     as_int,
     as_number,
     check_function,
+    close,
     failed,
     is_stub,
     passed,
@@ -199,7 +200,7 @@ def _bytes_hint(args: tuple, got: Any) -> str:
                (n - 1) * nbytes: "(N-1)·S is sending the whole tensor to every other rank; the ring sends chunks",
                (n - 1) * nbytes / n: "that is the reduce-scatter only; the all-gather sends as much again"}
     for value, hint in guesses.items():
-        if isinstance(got, float) and n > 1 and abs(got - value) <= 1e-9 * max(1.0, value):
+        if isinstance(got, float) and n > 1 and close(value, got):
             return hint
     return "2(N-1) steps, each sending one chunk of S/N bytes"
 
