@@ -110,6 +110,7 @@ def test_collective_on_some_ranks_names_the_ranks_that_returned():
     message = str(excinfo.value)
     assert "ranks [1] had already returned" in message
     assert "every rank must make the same collective calls" in message
+    assert excinfo.value.returned == (1,)
 
 
 # --- ranks die with their parent ------------------------------------------------------------------
@@ -155,16 +156,18 @@ def test_ranks_exit_when_their_parent_is_killed(tmp_path):
 
 def test_slow_start_up_is_reported_as_start_up():
     start = time.monotonic()
-    with pytest.raises(LaunchTimeoutError, match=r"start-up timed out after 2 s: ranks \[0, 1\]"):
+    with pytest.raises(LaunchTimeoutError, match=r"start-up timed out after 2 s: ranks \[0, 1\]") as excinfo:
         launch(workers.rank_and_value, 2, workers.SlowToUnpickle(60), timeout=60, startup_timeout=2)
+    assert excinfo.value.phase == "start-up"
     assert time.monotonic() - start < 2 + 10
 
 
 def test_run_timeout_counts_from_the_moment_all_ranks_joined():
     # a 3 s run timeout, shorter than start-up on a busy machine, still lets the ranks start
     assert launch(workers.sleep_for, 2, 0.1, timeout=3, startup_timeout=60) == [0, 1]
-    with pytest.raises(LaunchTimeoutError, match=r"launch timed out after 3 s: ranks \[0, 1\]"):
+    with pytest.raises(LaunchTimeoutError, match=r"launch timed out after 3 s: ranks \[0, 1\]") as excinfo:
         launch(workers.sleep_for, 2, 60, timeout=3, startup_timeout=60)
+    assert excinfo.value.phase == "run"
 
 
 @pytest.mark.parametrize("kwargs", [dict(timeout=float("inf")), dict(timeout=float("nan")),

@@ -26,18 +26,30 @@ class RankError(RuntimeError):
         ranks: the ranks the error is about (the failing one, or those that timed out).
         traceback_text: the traceback formatted inside the failing rank ("" if none).
         exitcode: the process exit code when a rank died without a Python exception.
+        returned: ranks that had already returned when the failure happened; non-empty, they
+            suggest a collective that only some ranks called.
     """
 
     def __init__(self, message: str, ranks: Sequence[int], traceback_text: str = "",
-                 exitcode: int | None = None) -> None:
+                 exitcode: int | None = None, returned: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.traceback_text = traceback_text
         self.exitcode = exitcode
+        self.returned = tuple(returned)
 
 
 class LaunchTimeoutError(RankError):
-    """Some ranks had not started, or not finished, when ``launch``'s timeouts ran out."""
+    """Some ranks had not started, or not finished, when ``launch``'s timeouts ran out.
+
+    Attributes:
+        phase: "start-up" (spawn, imports, joining the group: ``startup_timeout``) or "run"
+            (``fn`` itself: ``timeout``).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int], phase: str, returned: Sequence[int] = ()) -> None:
+        super().__init__(message, ranks, returned=returned)
+        self.phase = phase
 
 
 # what a signal that ends a rank usually means in this course
@@ -73,9 +85,9 @@ def exit_reason(exitcode: int | None) -> str:
     return f"exited with code {exitcode} (a crash outside Python, os._exit or out of memory?)"
 
 
-def _returned(reports: Reports, blamed: Sequence[int]) -> str:
+def _returned(reports: Reports) -> str:
     """Why the blamed ranks may be innocent: some ranks had returned while they still waited."""
-    returned = sorted(r for r in reports.results if r not in blamed)
+    returned = sorted(reports.results)
     if not returned:
         return ""
     return f"\nranks {returned} had already returned when this happened: {_SAME_CALLS}."
@@ -89,10 +101,10 @@ def failure(reports: Reports) -> RankError:
     if reports.deaths:
         code = reports.deaths[0][1]
         return RankError(f"rank {rank} of {reports.world_size} {exit_reason(code)} before returning a result{also}"
-                         f"{_returned(reports, [rank])}", [rank], exitcode=code)
+                         f"{_returned(reports)}", [rank], exitcode=code, returned=sorted(reports.results))
     text = min(reports.errors)[2]
-    return RankError(f"rank {rank} of {reports.world_size} raised an exception{also}{_returned(reports, [rank])}"
-                     f"\n{text}", [rank], traceback_text=text)
+    return RankError(f"rank {rank} of {reports.world_size} raised an exception{also}{_returned(reports)}"
+                     f"\n{text}", [rank], traceback_text=text, returned=sorted(reports.results))
 
 
 def job_error(rank: int, world_size: int, text: str, main_names: list[str]) -> RankError:
@@ -108,11 +120,12 @@ def job_error(rank: int, world_size: int, text: str, main_names: list[str]) -> R
                      traceback_text=text)
 
 
-def startup_timeout_error(seconds: float, world_size: int, waiting: list[int], started: list[int]) -> LaunchTimeoutError:
+def startup_timeout_error(seconds: float, world_size: int, waiting: list[int], started: list[int]
+                          ) -> LaunchTimeoutError:
     return LaunchTimeoutError(
         f"start-up timed out after {seconds:g} s: ranks {waiting} of {world_size} had not joined the process group "
         f"(joined: {started}). Start-up is spawning, importing torch and your modules, and the backend's "
-        "initialisation; on a busy machine raise startup_timeout=.", waiting)
+        "initialisation; on a busy machine raise startup_timeout=.", waiting, "start-up")
 
 
 def run_timeout_error(seconds: float, world_size: int, pending: list[int], finished: list[int]) -> LaunchTimeoutError:
@@ -120,4 +133,4 @@ def run_timeout_error(seconds: float, world_size: int, pending: list[int], finis
             if finished else " A rank may be waiting in a collective that another rank never joined.")
     return LaunchTimeoutError(
         f"launch timed out after {seconds:g} s: ranks {pending} of {world_size} had not finished "
-        f"(finished: {finished}).{hint} If the work is just slow, raise timeout=.", pending)
+        f"(finished: {finished}).{hint} If the work is just slow, raise timeout=.", pending, "run", finished)
