@@ -57,7 +57,7 @@ _SIGNAL_HINTS = {
     "SIGABRT": "gloo aborts a rank when the ranks of one collective pass tensors of different sizes, shapes or "
                "dtypes (the terminal shows \"Received data size doesn't match expected size\"): make every rank "
                "pass tensors of the same shape and dtype to each collective",
-    "SIGKILL": "usually the out-of-memory killer: use fewer ranks or a smaller model or batch",
+    "SIGKILL": "the out-of-memory killer (or a kill -9): use fewer ranks, or a smaller model or batch",
     "SIGSEGV": "a crash in native code (a torch or driver bug, or a tensor freed while in use)",
 }
 _SAME_CALLS = ("every rank must make the same collective calls, in the same order, with tensors of the same "
@@ -78,11 +78,18 @@ class Reports:
 
 
 def exit_reason(exitcode: int | None) -> str:
+    """How a rank ended without a Python exception."""
+    if exitcode is not None and exitcode < 0:
+        return f"was killed by signal {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
+
+
+def _usual_cause(exitcode: int | None) -> str:
+    """What such an end usually means in this course, as a sentence to append."""
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name
-        hint = _SIGNAL_HINTS.get(name, "")
-        return f"was killed by signal {name}" + (f" ({hint})" if hint else "")
-    return f"exited with code {exitcode} (a crash outside Python, os._exit or out of memory?)"
+        return f"\n{name} here usually means: {_SIGNAL_HINTS[name]}." if name in _SIGNAL_HINTS else ""
+    return " (a crash outside Python, os._exit or out of memory?)"
 
 
 def _returned(reports: Reports) -> str:
@@ -101,7 +108,8 @@ def failure(reports: Reports) -> RankError:
     if reports.deaths:
         code = reports.deaths[0][1]
         return RankError(f"rank {rank} of {reports.world_size} {exit_reason(code)} before returning a result{also}"
-                         f"{_returned(reports)}", [rank], exitcode=code, returned=sorted(reports.results))
+                         f"{_usual_cause(code)}{_returned(reports)}", [rank], exitcode=code,
+                         returned=sorted(reports.results))
     text = min(reports.errors)[2]
     return RankError(f"rank {rank} of {reports.world_size} raised an exception{also}{_returned(reports)}"
                      f"\n{text}", [rank], traceback_text=text, returned=sorted(reports.results))
