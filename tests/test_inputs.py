@@ -94,6 +94,8 @@ def test_rank_true_is_not_rank_1():
         PartitionSampler(10, True, 2)
     with pytest.raises(ValueError, match="rank=True"):
         partition_dataset(True, 2, data, batch_size=2)
+    with pytest.raises(ValueError, match="epoch=True"):
+        PartitionSampler(10, 0, 2).set_epoch(True)
 
 
 def test_collate_batch_given_a_default_collated_batch_says_what_to_do(tokenizer):

@@ -120,8 +120,7 @@ class DataPartitioner:
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch``; call ``use`` again afterwards for the new parts."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got epoch={epoch!r}")
+        check_int("epoch", epoch, minimum=0)  # True would silently mean epoch 1
         self.epoch = epoch
         self.partitions = self._split()
 
