@@ -60,6 +60,8 @@ def test_store_listens_where_the_user_asks():
     assert seen == (0, "x")
     with pytest.raises(ValueError, match="host"):
         launch(workers.rank_and_value, 1, "x", host="")
+    with pytest.raises(ValueError, match=r"host='192\.0\.2\.1' is not an address of this machine"):
+        launch(workers.rank_and_value, 1, "x", host="192.0.2.1")  # TEST-NET-1: never a local address
 
 
 # --- start-up failures name what could not travel -------------------------------------------------

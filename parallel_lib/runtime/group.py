@@ -114,7 +114,11 @@ def loopback_store(host: str, timeout: float) -> dist.TCPStore:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
-        listener.bind((host, 0))
+        try:
+            listener.bind((host, 0))
+        except OSError as e:
+            raise ValueError(f"host={host!r} is not an address of this machine to listen on ({e}); "
+                             f"keep the default {LOOPBACK!r}") from None
         listener.listen(128)
         store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout), master_listen_fd=listener.fileno())

@@ -34,6 +34,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -106,25 +107,25 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be an address such as '127.0.0.1', got host={host!r}")
     backend = resolve_backend(backend, world_size)
+    job = Job(fn, args, world_size, backend, host, float(timeout), float(startup_timeout), threads_per_rank)
+    payload, main_names = pack_job(job)  # raises before anything starts
     # the rendezvous store lives here, on a port the OS picked and that stays ours until the end
     store = loopback_store(host, startup_timeout)
-    job = Job(fn, args, world_size, backend, host, store.port, float(timeout), float(startup_timeout),
-              threads_per_rank)
-    payload, main_names = pack_job(job)  # raises before any rank starts; the store goes with this frame
     context = multiprocessing.get_context("spawn")
     procs: list[Any] = []
     conns: list[multiprocessing.connection.Connection] = []
     try:
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
-            proc = context.Process(target=rank_main, args=(payload, rank, sender, os.getpid()), name=f"rank{rank}")
+            proc = context.Process(target=rank_main, args=(payload, rank, store.port, sender, os.getpid()), name=f"rank{rank}")
             conns.append(receiver)
             proc.start()
             procs.append(proc)  # only started ones: the clean-up joins them
             sender.close()  # keep only the child's copy, so its death reads as end-of-file here
         results = collect(procs, conns, timeout, startup_timeout, main_names)
+        grace_end = time.monotonic() + STOP_GRACE_S
         for proc in procs:  # results are in; give the ranks a moment to leave the group
-            proc.join(STOP_GRACE_S)
+            proc.join(max(0.0, grace_end - time.monotonic()))
         return results
     finally:  # on success, errors, timeouts and KeyboardInterrupt alike
         stop(procs, STOP_GRACE_S)

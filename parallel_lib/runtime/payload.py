@@ -32,8 +32,7 @@ class Job:
     args: tuple[Any, ...]
     world_size: int
     backend: str
-    host: str
-    port: int
+    host: str                # where the rendezvous store listens (its port is passed on its own)
     timeout: float           # seconds for the run, and the collectives' own timeout
     startup_timeout: float   # seconds to reach the store and join the group
     threads_per_rank: int | None

@@ -61,7 +61,8 @@ def _send(conn: multiprocessing.connection.Connection, status: str, value: Any) 
     conn.send_bytes(dumps((status, value, time.time())))
 
 
-def rank_main(payload: bytes, rank: int, conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+def rank_main(payload: bytes, rank: int, port: int, conn: multiprocessing.connection.Connection,
+              parent_pid: int) -> None:
     """Body of a spawned rank: load the job, join the group, run ``job.fn``, report each step."""
     watch_parent(parent_pid)
     try:
@@ -71,11 +72,11 @@ def rank_main(payload: bytes, rank: int, conn: multiprocessing.connection.Connec
             _send(conn, "job", traceback.format_exc())
             return
         info = RankInfo(rank, job.world_size, rank, job.world_size)
-        os.environ.update(info.env(), MASTER_ADDR=job.host, MASTER_PORT=str(job.port))
+        os.environ.update(info.env(), MASTER_ADDR=job.host, MASTER_PORT=str(port))
         if job.backend == "gloo":  # never try an external interface: every rank is on this host
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         try:
-            store = dist.TCPStore(job.host, job.port, is_master=False,
+            store = dist.TCPStore(job.host, port, is_master=False,
                                   timeout=timedelta(seconds=job.startup_timeout))
             # the group's own timeout bounds each collective; it also covers joining, hence the max
             with process_group(info, job.backend, max(job.timeout, job.startup_timeout), job.threads_per_rank,
