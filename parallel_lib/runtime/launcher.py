@@ -117,7 +117,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     try:
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
-            proc = context.Process(target=rank_main, args=(payload, rank, store.port, sender, os.getpid()), name=f"rank{rank}")
+            proc = context.Process(target=rank_main, args=(payload, rank, store.port, sender, os.getpid()),
+                                   name=f"rank{rank}")
             conns.append(receiver)
             proc.start()
             procs.append(proc)  # only started ones: the clean-up joins them
