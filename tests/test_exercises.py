@@ -311,3 +311,27 @@ def test_average_gradients_crash_on_a_frozen_layer_is_caught_without_spawning():
     assert not result.passed and not torch.distributed.is_initialized()
     assert "case 'a frozen first layer': raised AttributeError" in result.message
     assert "requires_grad=False" in result.message
+
+
+# ----------------------------------------------------------------------------- float tolerance
+
+def _in_float32(reference):
+    """The reference solution, computed as a student's torch code would: a float32 tensor."""
+    def answer(*args):
+        return torch.tensor(float(reference(*args)), dtype=torch.float32)
+    return answer
+
+
+@pytest.mark.parametrize("name", ["ring_bytes_sent", "training_bytes", "pipeline_bubble", "bytes_per_device"])
+def test_float32_answers_are_accepted(name):
+    item = exercise(name)
+    result = item.check(_in_float32(item.solution))
+    assert result.passed, result.message
+
+
+def test_numbers_that_differ_are_printed_with_the_digits_that_differ():
+    from parallel_lib.exercises._core import same_number
+
+    assert same_number(3 / 11, float(torch.tensor(3 / 11, dtype=torch.float32))) is None
+    assert same_number(3 / 11, 0.2727268) == "expected 0.2727273, got 0.2727268"  # 6 digits would read equal
+    assert same_number(3 / 11, 0.375) == "expected 0.272727, got 0.375"
