@@ -213,17 +213,32 @@ WRONG = [
             return 16 * n_params / (pipeline_stages * data_replicas)
      """, ["bytes_per_device(1000000000, 1, 8)", "replicas do not share memory"]),
     ("plan_parallelism", """
-        import math
-        def plan_parallelism(n_params, gpu_bytes, n_gpus):
-            stages = math.ceil(4 * n_params / gpu_bytes)   # the fp32 weights only
-            return (stages, n_gpus // stages) if stages <= n_gpus else None
-     """, ["plan_parallelism(6738415616, 17179869184, 8)", "expected (7, 1), got (2, 4)", "= 7 GPU(s)"]),
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(1, n_layers + 1):
+                if fits(stages, 1):   # asks with one replica: more stages than needed
+                    return stages, n_gpus // stages
+     """, ["plan_parallelism(fits[llama-2-7b, 64 x 4096 tokens, 8 x 80 GiB], 8, 32)", "expected (4, 2), got (6, 1)",
+           "fits(4, 2) is True too, with fewer stages"]),
     ("plan_parallelism", """
-        import math
-        def plan_parallelism(n_params, gpu_bytes, n_gpus):
-            stages = math.ceil(16 * n_params / gpu_bytes)
-            return stages, n_gpus // stages   # forgets the models that do not fit
-     """, ["plan_parallelism(68976648192, 85899345920, 8)", "expected None (it does not fit), got (13, 0)"]),
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(n_gpus, 0, -1):   # the most stages that fit
+                if fits(stages, n_gpus // stages):
+                    return stages, n_gpus // stages
+     """, ["plan_parallelism(fits[gpt2 (124M), 32 x 1024 tokens, 8 x 16 GiB], 8, 12)", "expected (1, 8), got (8, 1)",
+           "the bubble (p-1)/(m+p-1) grows with p"]),
+    ("plan_parallelism", """
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(1, n_gpus + 1):   # forgets that a stage needs a block
+                if fits(stages, n_gpus // stages):
+                    return stages, n_gpus // stages
+     """, ["fits[needs 3 stages, only 2 blocks], 8, 2)", "expected None (nothing fits), got (3, 2)",
+           "2 blocks make at most 2 stages"]),
+    ("plan_parallelism", """
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(1, min(n_gpus, n_layers) + 1):
+                if fits(stages, n_gpus // stages):
+                    return stages, 1   # one pipeline, the other GPUs idle
+     """, ["expected (1, 8), got (1, 1)", "8 GPUs hold 8 replicas of 1 stages"]),
 ]
 
 

@@ -101,8 +101,10 @@ def bytes_per_device(n_params: int, pipeline_stages: int, data_replicas: int) ->
     return 16 * n_params / pipeline_stages
 
 
-def plan_parallelism(n_params: int, gpu_bytes: float, n_gpus: int) -> Optional[tuple[int, int]]:
-    stages = max(1, math.ceil(16 * n_params / gpu_bytes))  # fewest GPUs that hold one copy
-    if stages > n_gpus:
-        return None
-    return stages, n_gpus // stages
+def plan_parallelism(fits, n_gpus: int, n_layers: int) -> Optional[tuple[int, int]]:
+    # the bubble (p-1)/(m+p-1) grows with p: try the fewest stages first; every GPU left over is
+    # another replica, and fits must be asked with those replicas (each then holds less of the batch)
+    for stages in range(1, min(n_gpus, n_layers) + 1):
+        if fits(stages, n_gpus // stages):
+            return stages, n_gpus // stages
+    return None
