@@ -7,8 +7,8 @@ from typing import Any, Optional
 import torch
 
 from parallel_lib.data_parallel.ring import ring_chunks
-from parallel_lib.exercises import solutions
 from parallel_lib.exercises._core import (
+    solution,
     Case,
     CheckResult,
     Exercise,
@@ -104,6 +104,10 @@ def check_all_reduce_prediction(answer: Any) -> CheckResult:
 
 
 EXERCISES = [
-    Exercise("rank_slice", check_rank_slice, RANK_SLICE_STUB, solutions.rank_slice),
-    Exercise("all_reduce_prediction", check_all_reduce_prediction, ALL_REDUCE_STUB, solutions.ALL_REDUCE_PREDICTION),
+    Exercise("rank_slice", check_rank_slice, RANK_SLICE_STUB, solution("rank_slice"),
+             "Write `rank_slice(numel, rank, world_size)`: the `(start, stop)` of the part of a flat tensor that "
+             "`rank` owns, parts as equal as possible and none lost."),
+    Exercise("all_reduce_prediction", check_all_reduce_prediction, ALL_REDUCE_STUB, solution("ALL_REDUCE_PREDICTION"),
+             "Predict before you run: what does rank 3 hold after a 4-rank `all_reduce(SUM)`? Write your answer "
+             "down first; the check compares it with the sum."),
 ]

@@ -11,21 +11,27 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from parallel_lib.exercises import solutions
 from parallel_lib.exercises._core import (
+    solution,
     Case,
     CheckResult,
     Exercise,
     as_int,
     as_number,
     check_function,
+    failed,
+    is_stub,
+    passed,
+    require_callable,
+    stub_result,
     same_number,
     show,
 )
 from parallel_lib.model_parallel.memory import MODEL_SHAPES, training_memory
 from parallel_lib.planner.strategy import fewest_stages, plan
 
-__all__ = ["check_bytes_per_device", "check_plan_parallelism", "EXERCISES"]
+__all__ = ["check_bytes_per_device", "check_plan_parallelism", "check_ring_exchange_order", "replay_blocking",
+           "EXERCISES"]
 
 BYTES_PER_DEVICE_STUB = '''\
 def bytes_per_device(n_params, pipeline_stages, data_replicas):
@@ -43,6 +49,16 @@ def plan_parallelism(fits, n_gpus, n_layers):
     activations of each replica's share of the batch). A stage holds at least one of `n_layers`
     blocks. Among the layouts that fit, choose the one with the smallest pipeline bubble, and
     leave as few GPUs idle as that allows.
+    """
+    ...  # your code here
+'''
+
+EXCHANGE_STUB = '''\
+def ring_exchange_order(rank, world_size):
+    """The order of `rank`'s two blocking operations when every rank sends a tensor to (rank + 1) %
+    world_size and receives one from (rank - 1) % world_size: a list of ("send", peer) and
+    ("recv", peer). A blocking send waits until its peer posts the matching receive (NCCL's rule
+    for large tensors), so the order must let every rank finish, for any world_size >= 2.
     """
     ...  # your code here
 '''
@@ -146,7 +162,79 @@ def check_plan_parallelism(fn: Any) -> CheckResult:
                           compare=_compare_plans, hint=_plan_hint, none_is_an_answer=True)
 
 
+Op = tuple[str, int]
+
+
+def _as_ops(value: Any) -> list[Op]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError('a list like [("send", 1), ("recv", 2)]')
+    ops = []
+    for op in value:
+        if not (isinstance(op, (tuple, list)) and len(op) == 2 and op[0] in ("send", "recv")):
+            raise TypeError(f'a list of ("send", peer) and ("recv", peer) pairs, not {show(op, 40)}')
+        ops.append((op[0], as_int(op[1])))
+    return ops
+
+
+def replay_blocking(orders: list[list[Op]]) -> Optional[str]:
+    """None if every rank finishes when each send waits for its receive (and the reverse); else who waits on whom."""
+    position = [0] * len(orders)
+    progress = True
+    while progress:
+        progress = False
+        for rank, ops in enumerate(orders):
+            if position[rank] == len(ops):
+                continue
+            kind, peer = ops[position[rank]]
+            partner = orders[peer] if 0 <= peer < len(orders) else []
+            wanted = ("recv" if kind == "send" else "send", rank)
+            if position[peer] < len(partner) and partner[position[peer]] == wanted:
+                position[rank] += 1
+                position[peer] += 1
+                progress = True
+    stuck = [f"rank {r} waits in {ops[position[r]][0]}({ops[position[r]][1]})"
+             for r, ops in enumerate(orders) if position[r] < len(ops)]
+    return "; ".join(stuck) or None
+
+
+def check_ring_exchange_order(fn: Any) -> CheckResult:
+    """Run every rank's order through :func:`replay_blocking` for 2 to 6 ranks: the right messages, no deadlock."""
+    require_callable(fn, "ring_exchange_order")
+    if is_stub(fn):
+        return stub_result("ring_exchange_order", "ring_exchange_order")
+    for world_size in range(2, 7):
+        orders = []
+        for rank in range(world_size):
+            label = f"ring_exchange_order({rank}, {world_size})"
+            try:
+                ops = _as_ops(fn(rank, world_size))
+            except Exception as error:  # the student's bug, reported with its case
+                return failed("ring_exchange_order", label, f"{type(error).__name__}: {error}")
+            wanted = sorted([("send", (rank + 1) % world_size), ("recv", (rank - 1) % world_size)])
+            if sorted(ops) != wanted:
+                return failed("ring_exchange_order", label, f"expected the two operations {wanted} in some order, "
+                              f"got {ops}", "send to the right neighbour, receive from the left one")
+            orders.append(ops)
+        stuck = replay_blocking(orders)
+        if stuck:
+            first = {ops[0][0] for ops in orders}
+            hint = ("every rank sends first, so every rank waits for a receive nobody posts" if first == {"send"}
+                    else "every rank receives first, so nobody sends" if first == {"recv"}
+                    else "one rank that receives first breaks the cycle of waiting sends")
+            return failed("ring_exchange_order", f"world_size={world_size}", f"deadlock: {stuck}", hint)
+    return passed("ring_exchange_order", "5 ring sizes (2 to 6 ranks) without a deadlock")
+
+
 EXERCISES = [
-    Exercise("bytes_per_device", check_bytes_per_device, BYTES_PER_DEVICE_STUB, solutions.bytes_per_device),
-    Exercise("plan_parallelism", check_plan_parallelism, PLAN_STUB, solutions.plan_parallelism),
+    Exercise("bytes_per_device", check_bytes_per_device, BYTES_PER_DEVICE_STUB, solution("bytes_per_device"),
+             "Write `bytes_per_device(n_params, pipeline_stages, data_replicas)`: the training bytes on each GPU "
+             "of `data_replicas` copies of a `pipeline_stages`-stage pipeline (16 bytes per parameter)."),
+    Exercise("plan_parallelism", check_plan_parallelism, PLAN_STUB, solution("plan_parallelism"),
+             "Write `plan_parallelism(fits, n_gpus, n_layers)`: given the planner's memory test, choose the layout "
+             "with the smallest bubble that fits. The checker compares with the planner's own pick."),
+    Exercise("ring_exchange_order", check_ring_exchange_order, EXCHANGE_STUB, solution("ring_exchange_order"),
+             "Repair a deadlock. Every rank runs `dist.send(x, (rank + 1) % N)` and then "
+             "`dist.recv(y, (rank - 1) % N)`: under NCCL's rule a large send waits for its receive, and the "
+             "ring hangs. Write `ring_exchange_order(rank, world_size)`, an order of the same two operations "
+             "that lets every rank finish for any N >= 2 (without `batch_isend_irecv`)."),
 ]

@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION", "partition_indices", "local_batch_size", "steps_per_epoch",
-           "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "training_bytes", "one_f_one_b_order",
-           "bytes_per_device", "plan_parallelism"]
+__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION", "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
+           "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "device_map_under_limit", "training_bytes", "one_f_one_b_order", "micro_batches_for_bubble",
+           "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -53,6 +53,11 @@ def steps_per_epoch(n: int, world_size: int, global_batch_size: int, drop_last: 
     return math.ceil(per_rank / local_batch_size(global_batch_size, world_size))
 
 
+# B steps before it averages: each replica updates with its own gradient, and the copies drift
+# apart. C is right: (loss / N) summed over N ranks is the mean, exactly what A computes.
+WRONG_DP_LOOP = ("B", 1)
+
+
 # --------------------------------------------------------------------------- chapter 02
 def ring_bytes_sent(nbytes: float, world_size: int) -> float:
     # 2(N-1) steps (reduce-scatter, then all-gather), one chunk of S/N bytes each
@@ -77,6 +82,21 @@ def balanced_device_map(n_layers: int, n_devices: int) -> dict[int, list[int]]:
     return device_map
 
 
+def device_map_under_limit(layer_bytes: list[float], capacity: float) -> dict[int, list[int]]:
+    # greedy in order: a device takes layers until the next one would overflow it. Whole layers
+    # leave a gap at the end of each device, which is why ceil(total / capacity) can be too few.
+    if max(layer_bytes) > capacity:
+        raise ValueError(f"a layer of {max(layer_bytes)} bytes does not fit in {capacity}")
+    device_map, used = {0: []}, 0.0
+    for position, size in enumerate(layer_bytes):
+        if used + size > capacity:
+            device_map[len(device_map)], used = [], 0.0
+        if 0 < position < len(layer_bytes) - 1:  # a block (not the embedding, not the head)
+            device_map[len(device_map) - 1].append(position - 1)
+        used += size
+    return device_map
+
+
 def training_bytes(n_params: int, dtype: str = "fp16", optimizer: Optional[str] = "adamw") -> float:
     width = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
     if optimizer is None:  # inference: the weights only
@@ -95,6 +115,15 @@ def one_f_one_b_order(stage: int, num_stages: int, num_micro_batches: int) -> li
     return order + [f"B{i}" for i in range(num_micro_batches - warmup, num_micro_batches)]
 
 
+def micro_batches_for_bubble(p: int, target: float, stage_costs) -> int:
+    from parallel_lib.common.timeline import idle_fraction
+    from parallel_lib.pipeline_parallel import one_f_one_b, simulate
+    m = 1  # more micro-batches only shrink the bubble: the first m that meets the target is the fewest
+    while idle_fraction(simulate(one_f_one_b(p, m), stage_costs)) > target:
+        m += 1
+    return m
+
+
 # --------------------------------------------------------------------------- chapter 05
 def bytes_per_device(n_params: int, pipeline_stages: int, data_replicas: int) -> float:
     # every replica holds the whole model; a replica's stages share it (16 bytes/param, fp16 Adam)
@@ -108,3 +137,10 @@ def plan_parallelism(fits, n_gpus: int, n_layers: int) -> Optional[tuple[int, in
         if fits(stages, n_gpus // stages):
             return stages, n_gpus // stages
     return None
+
+
+def ring_exchange_order(rank: int, world_size: int) -> list[tuple[str, int]]:
+    # if all send first, all wait; rank 0 receiving first breaks the cycle: rank N-1's send
+    # completes, then N-2's, ..., then rank 0 sends last
+    send, recv = ("send", (rank + 1) % world_size), ("recv", (rank - 1) % world_size)
+    return [recv, send] if rank == 0 else [send, recv]
