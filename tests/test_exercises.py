@@ -482,3 +482,35 @@ def test_launch_cell_runs_a_worker_written_in_a_notebook_cell():
             return t.item()
     """)
     assert launch_cell(worker, 2, 10.0, timeout=60) == [21.0, 21.0]
+
+
+@pytest.mark.parametrize("source, fragments", [
+    ("""
+        import torch.distributed as dist
+        def attach_bucketed_allreduce(model, bucket_bytes):   # correct, but only after backward
+            def finish():
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            return finish
+     """, ["all 12 all-reduce(s) started after loss.backward() returned: nothing overlapped",
+           "register_post_accumulate_grad_hook"]),
+    ("""
+        import torch.distributed as dist
+        def attach_bucketed_allreduce(model, bucket_bytes):   # overlapped, but one call per tensor
+            handles = []
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda q: handles.append((q, dist.all_reduce(q.grad, async_op=True))))
+            def finish():
+                for q, handle in handles:
+                    handle.wait()
+                    q.grad /= dist.get_world_size()
+            return finish
+     """, ["12 all-reduces for 12 gradient tensors: one per tensor, no buckets", "buckets of about"]),
+])
+def test_bucketed_allreduce_without_overlap_or_buckets_is_caught_on_real_ranks(source, fragments):
+    result = exercises.check_bucketed_allreduce(notebook_function(source))
+    assert not result.passed
+    for fragment in fragments:
+        assert fragment in result.message, result.message

@@ -36,6 +36,7 @@ from parallel_lib.exercises._core import (
     stub_result,
 )
 from parallel_lib.exercises._shipping import ShippedFunction, ship
+from parallel_lib.exercises.ch02_overlap import OVERLAP_STUB, check_bucketed_allreduce
 from parallel_lib.runtime.launcher import LaunchTimeoutError, RankError, launch
 
 __all__ = ["check_average_gradients", "check_ring_bytes_sent", "check_ring_send_chunk", "EXERCISES"]
@@ -238,6 +239,10 @@ EXERCISES = [
     Exercise("average_gradients", check_average_gradients, AVERAGE_GRADIENTS_STUB, average_gradients,
              "Write `average_gradients(model)` in this notebook and watch it run on 3 real gloo ranks: the "
              "checker ships your cell to them. It must survive a frozen layer (a parameter without `.grad`)."),
+    Exercise("bucketed_allreduce", check_bucketed_allreduce, OVERLAP_STUB, solution("attach_bucketed_allreduce"),
+             "Overlap communication with backward: write `attach_bucketed_allreduce(model, bucket_bytes)`, which "
+             "hooks the parameters so that buckets of gradients are all-reduced while `loss.backward()` still "
+             "runs. The checker runs it on 3 gloo ranks and notes when each all-reduce starts."),
     Exercise("ring_bytes_sent", check_ring_bytes_sent, RING_BYTES_STUB, solution("ring_bytes_sent"),
              "Write `ring_bytes_sent(nbytes, world_size)`: the bytes each rank sends in a ring all-reduce, from "
              "the two phases you watched above."),

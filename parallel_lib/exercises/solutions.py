@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION", "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
-           "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "device_map_under_limit", "training_bytes", "one_f_one_b_order", "micro_batches_for_bubble",
+           "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "device_map_under_limit", "training_bytes", "one_f_one_b_order", "micro_batches_for_bubble",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
 
 
@@ -59,6 +59,45 @@ WRONG_DP_LOOP = ("B", 1)
 
 
 # --------------------------------------------------------------------------- chapter 02
+def attach_bucketed_allreduce(model, bucket_bytes: int):
+    import torch.distributed as dist
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets, current, size = [], [], 0
+    for p in reversed(params):  # backward produces the last layers' gradients first
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+    ready, handles = [0] * len(buckets), []
+
+    def hook(p):  # runs during backward, once p.grad is complete
+        i = bucket_of[id(p)]
+        ready[i] += 1
+        if ready[i] == len(buckets[i]):  # the bucket is full: reduce it while backward goes on
+            flat = torch.cat([q.grad.flatten() for q in buckets[i]])
+            handles.append((i, flat, dist.all_reduce(flat, async_op=True)))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for i, flat, handle in handles:
+            handle.wait()
+            flat /= dist.get_world_size()
+            offset = 0
+            for q in buckets[i]:
+                q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+        handles.clear()
+        ready[:] = [0] * len(buckets)
+
+    return finish
+
+
 def ring_bytes_sent(nbytes: float, world_size: int) -> float:
     # 2(N-1) steps (reduce-scatter, then all-gather), one chunk of S/N bytes each
     return 2 * (world_size - 1) * nbytes / world_size
