@@ -77,6 +77,13 @@ def test_check_cell_source_calls_the_checker_on_the_stub_name(item):
     assert exercise(item.name) is item
 
 
+def test_every_answer_is_in_solutions_py():
+    from parallel_lib.exercises import solutions
+    for item in ALL:
+        assert any(getattr(solutions, name) is item.solution for name in solutions.__all__), item.name
+    assert exercises.check_clock_cycles(solutions._clock_cycles).passed
+
+
 def test_unknown_exercise_lists_the_names():
     with pytest.raises(ValueError, match="no exercise is called 'nope'.*device_map_under_limit"):
         exercise("nope")

@@ -28,10 +28,13 @@ from parallel_lib.exercises._core import CheckResult, Exercise
 # which import this package, and should not pay for chapter 03's transformers import there.
 _CHECKERS = {
     "check_rank_slice": "ch00", "check_all_reduce_prediction": "ch00",
-    "check_partition_indices": "ch01", "check_local_batch_size": "ch01", "check_steps_per_epoch": "ch01", "check_wrong_dp_loop": "ch01",
-    "check_average_gradients": "ch02", "check_bucketed_allreduce": "ch02_overlap", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
+    "check_partition_indices": "ch01", "check_local_batch_size": "ch01", "check_steps_per_epoch": "ch01",
+    "check_wrong_dp_loop": "ch01",
+    "check_average_gradients": "ch02", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
+    "check_bucketed_allreduce": "ch02_overlap",
     "check_balanced_device_map": "ch03", "check_device_map_under_limit": "ch03", "check_training_bytes": "ch03",
-    "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_micro_batches_for_bubble": "ch04", "check_one_f_one_b_order": "ch04",
+    "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
+    "check_micro_batches_for_bubble": "ch04",
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
 }
 CHAPTERS = ("00", "01", "02", "03", "04", "05")

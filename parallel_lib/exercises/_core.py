@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
-__all__ = ["CheckResult", "Exercise", "Case", "HIDDEN", "solution", "check_function", "check_value", "require_callable", "is_stub",
+__all__ = ["CheckResult", "Exercise", "Case", "HIDDEN", "solution", "check_function", "check_value", "require_callable",
+           "is_stub",
            "passed", "failed", "stub_result", "as_int", "as_number", "same_number", "close", "distinct", "show",
            "REL_TOL"]
 

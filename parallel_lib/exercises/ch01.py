@@ -25,7 +25,8 @@ from parallel_lib.exercises._core import (
     stub_result,
 )
 
-__all__ = ["check_wrong_dp_loop", "check_partition_indices", "check_local_batch_size", "check_steps_per_epoch", "EXERCISES"]
+__all__ = ["check_wrong_dp_loop", "check_partition_indices", "check_local_batch_size", "check_steps_per_epoch",
+           "EXERCISES"]
 
 PARTITION_STUB = '''\
 def partition_indices(n, world_size, seed):

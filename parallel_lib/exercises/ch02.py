@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.data_parallel.allreduce import average_gradients
 from parallel_lib.data_parallel.ring import ring_steps
 from parallel_lib.exercises._core import (
     solution,
@@ -236,7 +235,7 @@ def check_ring_send_chunk(fn: Any) -> CheckResult:
 
 
 EXERCISES = [
-    Exercise("average_gradients", check_average_gradients, AVERAGE_GRADIENTS_STUB, average_gradients,
+    Exercise("average_gradients", check_average_gradients, AVERAGE_GRADIENTS_STUB, solution("average_gradients"),
              "Write `average_gradients(model)` in this notebook and watch it run on 3 real gloo ranks: the "
              "checker ships your cell to them. It must survive a frozen layer (a parameter without `.grad`)."),
     Exercise("bucketed_allreduce", check_bucketed_allreduce, OVERLAP_STUB, solution("attach_bucketed_allreduce"),

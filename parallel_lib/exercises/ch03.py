@@ -154,7 +154,8 @@ def _limit_hint(args: tuple, got: Any) -> str:
 
 
 def check_device_map_under_limit(fn: Any) -> CheckResult:
-    """Check ``device_map_under_limit(layer_bytes, capacity)``: valid, under the limit, as few devices as ``pack_layer_bytes``."""
+    """Check ``device_map_under_limit(layer_bytes, capacity)``: valid, under the limit, no more devices than
+    ``pack_layer_bytes`` needs."""
     raw = [([1.0, 1, 1, 1, 1, 0.5], 2.0), ([3.0, 2, 2, 2, 2, 3], 6.0), (_layer_sizes("gpt2 (124M)", 16), 0.8 * GiB),
            (_layer_sizes("llama-2-7b", 2), 16 * GiB), (_layer_sizes("llama-2-7b", 16), 40 * GiB),
            ([1.0, 5, 1, 1], 4.0)]

@@ -168,7 +168,7 @@ def _target_hint(args: tuple, got: Any) -> str:
 
 
 def check_micro_batches_for_bubble(fn: Any) -> CheckResult:
-    """Check ``micro_batches_for_bubble(p, target, stage_costs)`` against the simulator (``simulate`` + ``idle_fraction``)."""
+    """Check ``micro_batches_for_bubble(p, target, stage_costs)`` against ``simulate`` + ``idle_fraction``."""
     shapes = [(2, 0.2, [(1.0, 2.0), (1.0, 2.0)]), (4, 0.25, [(1.0, 2.0)] * 4),
               (4, 0.45, [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (2.0, 4.0)]),
               (3, 0.4, [(2.0, 4.0), (1.0, 2.0), (1.0, 2.0)]), (1, 0.0, [(1.0, 2.0)])]
@@ -179,7 +179,7 @@ def check_micro_batches_for_bubble(fn: Any) -> CheckResult:
 
 # clock_cycles stays importable (check_clock_cycles) but is no exercise: chapter 04 prints it.
 EXERCISES = [
-    Exercise("pipeline_bubble", check_pipeline_bubble, BUBBLE_STUB, bubble_fraction,
+    Exercise("pipeline_bubble", check_pipeline_bubble, BUBBLE_STUB, solution("pipeline_bubble"),
              "Write `pipeline_bubble(p, m)`: the share of a GPipe step each of `p` equal stages sits idle with "
              "`m` micro-batches. Derive it from the picture of the schedule, not from the text."),
     Exercise("micro_batches_for_bubble", check_micro_batches_for_bubble, TARGET_STUB,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import nbformat
 
-from parallel_lib.exercises._core import CheckResult, failed
+from parallel_lib.exercises._core import failed
 from parallel_lib.exercises._shipping import ShippedFunction, ship
 
 __all__ = ["SECTION_HEADING", "section_cells", "grade", "grade_notebook", "hide_solutions", "launch_cell"]

@@ -5,8 +5,9 @@ Each function has the signature of its stub cell and uses only Python, ``math`` 
 these: they compare against the library's own functions (``ring_chunks``,
 ``get_device_map``, ``training_memory``, ...), so the test suite that runs every checker
 on these solutions also checks that two independent writings of each idea agree.
-Where the library function *is* the answer (``average_gradients``, ``_clock_cycles``,
-``pipeline_bubble``), the registry uses it directly.
+Every exercise's answer is here, ``average_gradients``, ``_clock_cycles`` and ``pipeline_bubble``
+included (their checkers compare with the library's own versions). A graded lab removes this
+file (``python -m parallel_lib.exercises hide-solutions``); the checkers do not need it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION", "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
-           "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "device_map_under_limit", "training_bytes", "one_f_one_b_order", "micro_batches_for_bubble",
+__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
+           "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
+           "average_gradients", "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk",
+           "balanced_device_map", "device_map_under_limit", "training_bytes",
+           "_clock_cycles", "pipeline_bubble", "one_f_one_b_order", "micro_batches_for_bubble",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
 
 
@@ -59,6 +63,16 @@ WRONG_DP_LOOP = ("B", 1)
 
 
 # --------------------------------------------------------------------------- chapter 02
+def average_gradients(model) -> None:
+    import torch.distributed as dist
+    world_size = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is None:  # a frozen layer, or one this batch did not reach
+            continue
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad /= world_size
+
+
 def attach_bucketed_allreduce(model, bucket_bytes: int):
     import torch.distributed as dist
     params = [p for p in model.parameters() if p.requires_grad]
@@ -152,6 +166,16 @@ def one_f_one_b_order(stage: int, num_stages: int, num_micro_batches: int) -> li
     for i in range(num_micro_batches - warmup):  # steady state: one forward in, one backward out
         order += [f"F{warmup + i}", f"B{i}"]
     return order + [f"B{i}" for i in range(num_micro_batches - warmup, num_micro_batches)]
+
+
+def _clock_cycles(num_batches: int, num_partitions: int):
+    for k in range(num_batches + num_partitions - 1):  # micro-batch i reaches partition j at tick i + j
+        yield [(k - j, j) for j in range(num_partitions) if 0 <= k - j < num_batches]
+
+
+def pipeline_bubble(p: int, m: int) -> float:
+    # a step lasts m + p - 1 slots; each stage works m of them
+    return (p - 1) / (m + p - 1)
 
 
 def micro_batches_for_bubble(p: int, target: float, stage_costs) -> int:
