@@ -54,9 +54,8 @@ ONE_F_ONE_B_STUB = '''\
 def one_f_one_b_order(stage, num_stages, num_micro_batches):
     """The order in which `stage` runs its work in a 1F1B schedule, as strings like "F0" and "B0".
 
-    Warm-up: min(num_stages - 1 - stage, num_micro_batches) forwards; then, while forwards
-    remain, one forward followed by one backward; then the remaining backwards.
-    Micro-batches are numbered from 0 and run in order within each kind.
+    Work the rule out from the 1F1B schedules printed in this chapter (4 stages, 6 micro-batches)
+    and the animation: it must hold for any number of stages and micro-batches.
     """
     ...  # your code here
 '''
