@@ -139,11 +139,18 @@ def _prepare(config: ShardConfig, model: nn.Module, recorder: Optional[TimelineR
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+    ddp.register_comm_hook(None, _counted_all_reduce)  # DDP's own C++ all-reduce is invisible to the counter
     if config.strategy == "ddp":
         return ddp, torch.optim.AdamW(trainable, **adamw)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ddp, ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, **adamw)
+
+
+def _counted_all_reduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations
+    """DDP's default all-reduce hook, but through ``dist.all_reduce`` so that count_collectives sees it."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _census(config: ShardConfig, model: nn.Module, stepper: Any) -> dict[str, int]:
@@ -159,7 +166,7 @@ def full_state(model: nn.Module, stepper: Any) -> dict[str, torch.Tensor]:
     if isinstance(stepper, ZeroEngine) and stepper.layers is not None:
         stepper.remove()  # gathers every group back into the model
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):  # tied weights under both names
         tensor = p.detach()
         out[name] = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().clone()
     return out
