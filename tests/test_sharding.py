@@ -108,14 +108,56 @@ def bad_inputs(rank: int, world_size: int) -> dict[str, str]:
     return errors
 
 
-def all_runs(rank: int, world_size: int) -> dict:
+def _checkpoint_config(world_size: int, stage: int, **overrides) -> ShardConfig:
+    return ShardConfig(**{**dict(vocab_size=VOCAB, batch_size=4 * world_size, seq_len=16, steps=3, stage=stage),
+                          **overrides})
+
+
+def checkpoints(rank: int, world_size: int, plain: tuple) -> dict:
+    """Save shards after 2 steps; resume a plain 2-step checkpoint; load a shard saved elsewhere."""
+    from parallel_lib.common.models import build_gpt2
+    from parallel_lib.sharding.checkpoint import load_shards, shard_state
+
+    saved = run_sharded(rank, world_size, _checkpoint_config(world_size, 3, steps=2, return_shards=True,
+                                                             return_state=False))
+    resumed = run_sharded(rank, world_size, _checkpoint_config(world_size, 2), resume=plain)
+    engine = ZeroEngine(build_gpt2("tiny", vocab_size=VOCAB), stage=1)
+    own = shard_state(engine)
+    load_shards(engine, own)  # its own shard: fine
+    foreign = dict(own, world_size=world_size + 1)
+    return dict(shards=saved.shards, resumed=resumed.state, error=_expect_error(ValueError, load_shards, engine, foreign))
+
+
+def all_runs(rank: int, world_size: int, plain: tuple) -> dict:
     results = {name: run_sharded(rank, world_size, config) for name, config in _configs(world_size).items()}
-    return dict(results=results, errors=bad_inputs(rank, world_size))
+    return dict(results=results, errors=bad_inputs(rank, world_size), checkpoints=checkpoints(rank, world_size, plain))
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def launched(request) -> tuple[int, list[dict]]:
-    return request.param, launch(all_runs, request.param, timeout=600)
+    world_size = request.param
+    _, state, optim_state = single_process_reference(_checkpoint_config(world_size, 2), steps=2)
+    return world_size, launch(all_runs, world_size, (state, optim_state, 2), timeout=600)
+
+
+def test_checkpoints_go_from_shards_to_a_plain_model_and_back_at_any_world_size(launched):
+    from parallel_lib.sharding.checkpoint import consolidate
+
+    world_size, results = launched
+    config = _checkpoint_config(world_size, 2)
+    _, expected, _ = single_process_reference(config)
+    # sharded (saved per rank after 2 steps) -> plain model and AdamW, which take step 3
+    model_state, optim_state = consolidate([r["checkpoints"]["shards"] for r in results])
+    _, continued, _ = single_process_reference(config, resume=(model_state, optim_state, 2))
+    # plain (2 steps in one process) -> every rank's shard, 3rd step with ZeRO-2
+    for name, value in expected.items():
+        torch.testing.assert_close(continued[name], value, rtol=1e-4, atol=1e-5)
+        for rank, result in enumerate(results):
+            torch.testing.assert_close(result["checkpoints"]["resumed"][name], value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+    assert "consolidate(...)" in results[0]["checkpoints"]["error"]
+    with pytest.raises(ValueError, match="one shard from each of ranks"):
+        consolidate([r["checkpoints"]["shards"] for r in results][1:])
 
 
 def test_every_stage_and_pytorchs_sharding_train_like_one_process(launched):
@@ -123,7 +165,7 @@ def test_every_stage_and_pytorchs_sharding_train_like_one_process(launched):
     for name, config in _configs(world_size).items():
         if name.endswith("bf16"):
             continue
-        losses, reference = single_process_reference(config)
+        losses, reference, _ = single_process_reference(config)
         for rank, result in enumerate(r["results"][name] for r in results):
             assert result.record.losses == pytest.approx(losses, rel=1e-5), (name, rank)
             for param, expected in reference.items():

@@ -30,6 +30,7 @@ from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.timeline import Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.sharding.checkpoint import load_full, shard_state
 from parallel_lib.sharding.memory import engine_census, optimizer_tensors, storage_census
 from parallel_lib.sharding.zero import ZeroEngine
 
@@ -62,6 +63,7 @@ class ShardConfig:
     measure_step: int = 1           # the step whose census and collectives are returned
     timeline: bool = False          # record ZeRO's collectives and per-group compute (events)
     return_state: bool = True       # send the final full parameters back
+    return_shards: bool = False     # ZeRO: send this rank's checkpoint shard back (checkpoint.shard_state)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class ShardResult:
     num_params: int                      # Ψ, trainable parameters
     state: Optional[dict[str, torch.Tensor]] = None
     events: list[Event] = field(default_factory=list)
+    shards: Optional[dict[str, Any]] = None  # checkpoint.shard_state after the last step
 
 
 def global_batches(config: ShardConfig) -> torch.Tensor:
@@ -106,19 +109,29 @@ def _check(config: ShardConfig, world_size: int) -> None:
                          "(every rank takes as many rows)")
 
 
-def single_process_reference(config: ShardConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, AdamW on the global batches: (losses, final parameters)."""
+def single_process_reference(config: ShardConfig, steps: Optional[int] = None,
+                             resume: Optional[tuple[dict[str, torch.Tensor], dict[str, Any], int]] = None,
+                             ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+    """One process, AdamW on the global batches: (losses, final parameters, AdamW state dict).
+
+    ``steps`` stops early; ``resume`` = ``(model_state, adamw_state, first_step)`` continues a checkpoint.
+    """
     model = build_model(config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                   weight_decay=config.weight_decay)
+    first = 0
+    if resume is not None:
+        model.load_state_dict(resume[0], strict=False)  # frozen parameters are not in a ZeRO checkpoint
+        optimizer.load_state_dict(resume[1])
+        first = resume[2]
     losses = []
-    for batch in global_batches(config):
+    for batch in global_batches(config)[first:steps]:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, optimizer.state_dict()
 
 
 def _prepare(config: ShardConfig, model: nn.Module, recorder: Optional[TimelineRecorder]) -> tuple[nn.Module, Any]:
@@ -172,20 +185,34 @@ def full_state(model: nn.Module, stepper: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_sharded(rank: int, world_size: int, config: ShardConfig) -> ShardResult:
+def run_sharded(rank: int, world_size: int, config: ShardConfig,
+                resume: Optional[tuple[dict[str, torch.Tensor], dict[str, Any], int]] = None) -> ShardResult:
     """Train ``config.steps`` steps on this rank's rows; measure step ``measure_step``.
 
+    Args:
+        resume: ZeRO only: ``(model_state, adamw_state, first_step)`` of a plain checkpoint
+            (``checkpoint.consolidate`` or a plain AdamW run) to continue from.
+
     Raises:
-        ValueError: an unknown strategy, or a batch that does not split evenly over the ranks.
+        ValueError: an unknown strategy, a batch that does not split evenly over the ranks,
+            or ``resume`` with a strategy other than "zero".
     """
     _check(config, world_size)
     torch.set_num_threads(1)
     model = build_model(config)
     recorder = TimelineRecorder() if config.timeline else None
     module, stepper = _prepare(config, model, recorder)
+    first = 0
+    if resume is not None:
+        if not isinstance(stepper, ZeroEngine):
+            raise ValueError(f"resume needs strategy='zero', got strategy={config.strategy!r}")
+        load_full(stepper, resume[0], resume[1])
+        first = resume[2]
     rows = config.batch_size // world_size
     record, census, wire, calls = TrainRecord(), {}, 0.0, {}
     for step, batch in enumerate(global_batches(config)):
+        if step < first:
+            continue
         local = batch[rank * rows:(rank + 1) * rows]
         measured = step == config.measure_step
         start = time.perf_counter()
@@ -204,6 +231,7 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig) -> ShardResult:
         dist.all_reduce(mean_loss)  # reporting only, outside the counted step
         record.append(mean_loss.item() / world_size, int(batch.numel()), seconds)
     num_params = sum(p.numel() for p in build_model(config).parameters() if p.requires_grad)
+    shards = shard_state(stepper) if config.return_shards and isinstance(stepper, ZeroEngine) else None
     state = full_state(model, stepper) if config.return_state else None
     return ShardResult(rank, world_size, config, record, census, wire, calls, num_params, state,
-                       recorder.events if recorder else [])
+                       recorder.events if recorder else [], shards)
