@@ -294,8 +294,3 @@ class ZeroEngine:
                 self.layers.gather(i)
             self.layers.remove()
             self.layers = None
-
-    @property
-    def trainable_numel(self) -> int:
-        """Ψ: the trainable elements the engine shards (padding excluded)."""
-        return sum(g.numel for g in self.groups)
