@@ -4,7 +4,19 @@
 """
 
 from parallel_lib.sharding.flat import FlatParamGroup, make_buckets, padded_numel, shard_owner
-from parallel_lib.sharding.layers import StageThreeHooks, layer_modules
+from parallel_lib.sharding.checkpoint import consolidate, load_full, load_shards, save_shards, shard_state
+from parallel_lib.sharding.layers import StageThreeHooks, layer_modules, mean_durations, simulate_zero3, step_events
+from parallel_lib.sharding.measure import STAGE_RUN, measure_stages, zero3_timelines
+from parallel_lib.sharding.memory import (
+    BYTES_PER_PARAM,
+    engine_census,
+    megatron_bytes_per_param,
+    storage_census,
+    zero_memory,
+    zero_paper_table,
+    zero_traffic,
+)
+from parallel_lib.sharding.train import STRATEGIES, ShardConfig, ShardResult, run_sharded, single_process_reference
 from parallel_lib.sharding.zero import COLLECTIVES, PRECISIONS, STAGES, ZeroEngine
 
 __all__ = [
@@ -14,6 +26,29 @@ __all__ = [
     "FlatParamGroup",
     "layer_modules",
     "StageThreeHooks",
+    "simulate_zero3",
+    "step_events",
+    "mean_durations",
+    "BYTES_PER_PARAM",
+    "storage_census",
+    "engine_census",
+    "zero_memory",
+    "zero_traffic",
+    "zero_paper_table",
+    "megatron_bytes_per_param",
+    "shard_state",
+    "save_shards",
+    "load_shards",
+    "consolidate",
+    "load_full",
+    "STRATEGIES",
+    "ShardConfig",
+    "ShardResult",
+    "run_sharded",
+    "single_process_reference",
+    "STAGE_RUN",
+    "measure_stages",
+    "zero3_timelines",
     "STAGES",
     "COLLECTIVES",
     "PRECISIONS",

@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
+from parallel_lib.common.checks import check_number, positive_int
+from parallel_lib.common.timeline import Event
+
 if TYPE_CHECKING:
     from parallel_lib.sharding.zero import ZeroEngine
 
-__all__ = ["layer_modules", "StageThreeHooks"]
+__all__ = ["layer_modules", "StageThreeHooks", "simulate_zero3", "step_events", "mean_durations"]
 
 
 def layer_modules(model: nn.Module) -> list[nn.Module]:
@@ -135,3 +138,51 @@ class StageThreeHooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def simulate_zero3(n_groups: int, gather: float, forward: float, backward: float, reduce: float,
+                   prefetch: bool, rank: int = 0) -> list[Event]:
+    """The timeline ZeRO-3's hooks produce for ``n_groups`` layer groups with fixed durations (seconds).
+
+    One comm lane and one compute lane, as in :class:`StageThreeHooks`'s recording: without
+    prefetch group i's all-gather starts when group i-1's compute ends; with prefetch it is
+    issued when group i-1's compute starts, so it overlaps that compute. Backward runs the
+    groups in reverse, each followed by its gradients' reduce-scatter on the comm lane.
+    """
+    positive_int("n_groups", n_groups)
+    for name, value in dict(gather=gather, forward=forward, backward=backward, reduce=reduce).items():
+        check_number(name, value, 0.0)
+    comm, compute = f"rank {rank} comm", f"rank {rank} compute"
+    events: list[Event] = []
+    comm_free = compute_free = previous_start = 0.0
+    for phase, order, cost in (("forward", range(n_groups), forward), ("backward", range(n_groups)[::-1], backward)):
+        for i in order:
+            start = max(comm_free, previous_start if prefetch else compute_free)
+            comm_free = start + gather
+            events.append(Event(comm, "comm", 0, start, comm_free, f"AG layer {i}"))
+            begin = max(comm_free, compute_free)
+            compute_free = begin + cost
+            previous_start = begin
+            events.append(Event(compute, phase, 0, begin, compute_free, f"layer {i}"))
+            if phase == "backward":
+                rs_start = max(comm_free, compute_free)
+                comm_free = rs_start + reduce
+                events.append(Event(comm, "comm", 0, rs_start, comm_free, f"RS layer {i}"))
+    return events
+
+
+def step_events(events: Sequence[Event], step: int) -> list[Event]:
+    """One step's layer events of a recorded run (the "outer" group's forward spans the whole model: left out)."""
+    return [e for e in events if e.micro_batch == step and not (e.kind != "comm" and e.label == "outer")]
+
+
+def mean_durations(events: Sequence[Event]) -> dict[str, float]:
+    """Mean seconds of a layer's all-gather, forward, backward and reduce-scatter: :func:`simulate_zero3`'s inputs."""
+    def mean(selected: list[float]) -> float:
+        return sum(selected) / len(selected) if selected else 0.0
+
+    layer = [e for e in events if "layer" in e.label]
+    return dict(gather=mean([e.duration for e in layer if e.label.startswith("AG")]),
+                forward=mean([e.duration for e in layer if e.kind == "forward"]),
+                backward=mean([e.duration for e in layer if e.kind == "backward"]),
+                reduce=mean([e.duration for e in layer if e.label.startswith("RS")]))

@@ -81,6 +81,7 @@ class ShardResult:
     state: Optional[dict[str, torch.Tensor]] = None
     events: list[Event] = field(default_factory=list)
     shards: Optional[dict[str, Any]] = None  # checkpoint.shard_state after the last step
+    padding: int = 0                         # ZeRO: elements added to round every group up to a multiple of N
 
 
 def global_batches(config: ShardConfig) -> torch.Tensor:
@@ -233,5 +234,6 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig,
     num_params = sum(p.numel() for p in build_model(config).parameters() if p.requires_grad)
     shards = shard_state(stepper) if config.return_shards and isinstance(stepper, ZeroEngine) else None
     state = full_state(model, stepper) if config.return_state else None
+    padding = sum(g.padded - g.numel for g in stepper.groups) if isinstance(stepper, ZeroEngine) else 0
     return ShardResult(rank, world_size, config, record, census, wire, calls, num_params, state,
-                       recorder.events if recorder else [], shards)
+                       recorder.events if recorder else [], shards, padding)

@@ -195,12 +195,12 @@ class ZeroEngine:
         packed = group.pack_grads()
         for p in group.params:  # stage 2-3: the full gradient lives only in ``packed`` until reduced
             p.grad = None
+        if self.layers is not None:  # stage 3: the group's backward is over, its parameters can go
+            self.layers.after_backward(i)
         shard = torch.empty(group.shard_numel, dtype=packed.dtype, device=packed.device)
         work = self._timed(f"RS {group.name}", lambda: self.reduce_scatter(shard, packed, async_op=True))
         self._pending.append((i, work, packed, shard))
         self._ready[i] = {id(p) for p in group.params}
-        if self.layers is not None:
-            self.layers.after_backward(i)
 
     def reduce_gradients(self) -> None:
         """Finish every gradient collective: afterwards each rank holds its shard's mean gradient.
