@@ -40,3 +40,12 @@ def test_module_and_torchrun_print_census_and_traffic_equal_to_the_formulas():
 def test_a_stage_outside_0_to_3_is_refused_by_the_command_line():
     result = _run([sys.executable, "-m", "parallel_lib.sharding", "--stage", "4"])
     assert result.returncode == 2 and "invalid choice: 4" in result.stderr
+
+
+def test_the_gpu_check_of_chapter_06_runs_on_cpu_ranks():
+    from parallel_lib.gpu_checks import check_sharding
+
+    out = check_sharding(2, quick=True)  # gloo ranks on the CPU: the same code as NCCL ranks on GPUs
+    for variant in ("ZeRO-0", "ZeRO-3 ring", "ZeRO-3 prefetch", "ZeroRedundancyOptimizer", "FSDP2"):
+        assert f"| {variant} | " in out
+    assert "match one process" in out and "(within 5%)" in out

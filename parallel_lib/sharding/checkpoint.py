@@ -38,8 +38,8 @@ def shard_state(engine: Any) -> dict[str, Any]:
     groups = []
     for master, layout in zip(engine.master, _layout(engine)):
         state = engine.optimizer.state.get(master, {})
-        groups.append(dict(layout, values=master.detach().float().clone(),
-                           **{k: state[k].clone() for k in _MOMENTS if k in state},
+        groups.append(dict(layout, values=master.detach().float().cpu().clone(),
+                           **{k: state[k].cpu().clone() for k in _MOMENTS if k in state},
                            step=float(state["step"]) if "step" in state else 0.0))
     return dict(world_size=engine.world_size, rank=engine.rank, stage=engine.stage,
                 trainable=_trainable_names(engine), hyper={k: v for k, v in engine.optimizer.param_groups[0].items()
@@ -81,7 +81,8 @@ def _set(engine: Any, master: torch.Tensor, values: torch.Tensor, moments: dict[
             if m is master and owned is not master:
                 owned.copy_(master)
     if moments:
-        engine.optimizer.state[master] = dict(step=torch.tensor(step), **{k: v.clone() for k, v in moments.items()})
+        engine.optimizer.state[master] = dict(step=torch.tensor(step),
+                                              **{k: v.to(master.device, copy=True) for k, v in moments.items()})
 
 
 def consolidate(shards: Sequence[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

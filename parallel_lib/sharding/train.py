@@ -17,7 +17,6 @@ Run from a notebook with ``launch(run_sharded, world_size, ShardConfig(...))`` o
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,9 +26,10 @@ from torch import nn
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.common.models import build_gpt2
-from parallel_lib.common.timeline import Event, TimelineRecorder
+from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder, synchronize_devices
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.sharding.checkpoint import load_full, shard_state
 from parallel_lib.sharding.memory import engine_census, optimizer_tensors, storage_census
 from parallel_lib.sharding.zero import ZeroEngine
@@ -147,12 +147,14 @@ def _prepare(config: ShardConfig, model: nn.Module, recorder: Optional[TimelineR
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
+    device = rank_device()
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                              bucket_cap_mb=config.bucket_cap_mb)
     ddp.register_comm_hook(None, _counted_all_reduce)  # DDP's own C++ all-reduce is invisible to the counter
     if config.strategy == "ddp":
         return ddp, torch.optim.AdamW(trainable, **adamw)
@@ -182,7 +184,7 @@ def full_state(model: nn.Module, stepper: Any) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # tied weights under both names
         tensor = p.detach()
-        out[name] = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().clone()
+        out[name] = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).float().cpu().clone()
     return out
 
 
@@ -200,8 +202,10 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig,
     """
     _check(config, world_size)
     torch.set_num_threads(1)
-    model = build_model(config)
-    recorder = TimelineRecorder() if config.timeline else None
+    device = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
+    clock = DeviceClock([device])  # a step ends when this rank's device has run it
+    model = build_model(config).to(device)
+    recorder = TimelineRecorder(lambda: synchronize_devices([device])) if config.timeline else None
     module, stepper = _prepare(config, model, recorder)
     first = 0
     if resume is not None:
@@ -214,9 +218,9 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig,
     for step, batch in enumerate(global_batches(config)):
         if step < first:
             continue
-        local = batch[rank * rows:(rank + 1) * rows]
+        local = batch[rank * rows:(rank + 1) * rows].to(device)
         measured = step == config.measure_step
-        start = time.perf_counter()
+        start = clock()
         with count_collectives() as counter:
             loss = module(input_ids=local, labels=local).loss
             loss.backward()
@@ -225,7 +229,7 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig,
             stepper.step()
             if not isinstance(stepper, ZeroEngine):
                 stepper.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         if measured:
             wire, calls = counter.wire_bytes(), counter.by_kind()
         mean_loss = loss.detach().float().clone()
