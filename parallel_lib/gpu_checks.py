@@ -247,7 +247,7 @@ def check_sharding(n_gpus: int, quick: bool = False) -> str:
     """ZeRO-0..3 (torch and ring collectives), ZeroRedundancyOptimizer and FSDP2 on ``n_gpus`` ranks train
     like one process; the census matches the formula; then ``bench sharding``'s table at 1 and n ranks."""
     from parallel_lib.bench import sharding as bench_sharding
-    from parallel_lib.sharding import ShardConfig, run_sharded, single_process_reference, zero_memory
+    from parallel_lib.sharding import ShardConfig, run_many, single_process_reference, zero_memory
 
     base = ShardConfig(model="tiny", vocab_size=97, batch_size=4 * n_gpus, seq_len=32, steps=3)
     runs = {f"ZeRO-{s}": replace(base, stage=s) for s in range(4)}
@@ -256,7 +256,7 @@ def check_sharding(n_gpus: int, quick: bool = False) -> str:
                  "ZeRO-3 prefetch": replace(base, stage=3, prefetch=True),
                  "ZeroRedundancyOptimizer": replace(base, strategy="zero_redundancy"),
                  "FSDP2": replace(base, strategy="fsdp2")})
-    per_rank = launch(bench_sharding._all_variants, n_gpus, runs, timeout=600)
+    per_rank = launch(run_many, n_gpus, runs, timeout=600)
     _, expected, _ = single_process_reference(base)
     rows = []
     for name, config in runs.items():

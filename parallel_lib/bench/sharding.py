@@ -25,7 +25,8 @@ from parallel_lib.common.tables import markdown_table
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.sharding.memory import megatron_bytes_per_param, zero_memory, zero_paper_table, zero_traffic
-from parallel_lib.sharding.train import ShardConfig, ShardResult, run_sharded
+from parallel_lib.sharding.measure import run_many
+from parallel_lib.sharding.train import ShardConfig, ShardResult
 
 __all__ = ["Config", "QUICK", "VARIANTS", "Row", "measure", "markdown", "main"]
 
@@ -83,10 +84,6 @@ def _row(model: str, variant: str, results: Sequence[ShardResult]) -> Row:
                min(r.record.throughput(skip=1) for r in results))
 
 
-def _all_variants(rank: int, world_size: int, configs: dict[str, ShardConfig]) -> dict[str, ShardResult]:
-    return {name: run_sharded(rank, world_size, config) for name, config in configs.items()}
-
-
 def measure(config: Config) -> list[Row]:
     """One launch per (model, world size) running every variant in turn."""
     rows = []
@@ -95,7 +92,7 @@ def measure(config: Config) -> list[Row]:
             base = ShardConfig(model=model, vocab_size=config.vocab_size, batch_size=config.per_rank_batch * n,
                                seq_len=config.seq_len, steps=config.steps, return_state=False)
             configs = {name: replace(base, **fields) for name, (fields, _) in VARIANTS.items()}
-            per_rank = launch(_all_variants, n, configs, timeout=1800)
+            per_rank = launch(run_many, n, configs, timeout=1800)
             rows += [_row(model, name, [r[name] for r in per_rank]) for name in VARIANTS]
     return rows
 

@@ -6,7 +6,7 @@
 from parallel_lib.sharding.flat import FlatParamGroup, make_buckets, padded_numel, shard_owner
 from parallel_lib.sharding.checkpoint import consolidate, load_full, load_shards, save_shards, shard_state
 from parallel_lib.sharding.layers import StageThreeHooks, layer_modules, mean_durations, simulate_zero3, step_events
-from parallel_lib.sharding.measure import STAGE_RUN, measure_stages, zero3_timelines
+from parallel_lib.sharding.measure import STAGE_RUN, measure_stages, run_many, zero3_timelines
 from parallel_lib.sharding.memory import (
     BYTES_PER_PARAM,
     engine_census,
@@ -16,7 +16,14 @@ from parallel_lib.sharding.memory import (
     zero_paper_table,
     zero_traffic,
 )
-from parallel_lib.sharding.train import STRATEGIES, ShardConfig, ShardResult, run_sharded, single_process_reference
+from parallel_lib.sharding.train import (
+    STRATEGIES,
+    ShardConfig,
+    ShardResult,
+    build_model,
+    run_sharded,
+    single_process_reference,
+)
 from parallel_lib.sharding.zero import COLLECTIVES, PRECISIONS, STAGES, ZeroEngine
 
 __all__ = [
@@ -44,9 +51,11 @@ __all__ = [
     "STRATEGIES",
     "ShardConfig",
     "ShardResult",
+    "build_model",
     "run_sharded",
     "single_process_reference",
     "STAGE_RUN",
+    "run_many",
     "measure_stages",
     "zero3_timelines",
     "STAGES",

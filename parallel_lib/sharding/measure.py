@@ -16,20 +16,21 @@ from parallel_lib.sharding.layers import mean_durations, simulate_zero3, step_ev
 from parallel_lib.sharding.memory import zero_memory, zero_traffic
 from parallel_lib.sharding.train import ShardConfig, ShardResult, run_sharded
 
-__all__ = ["STAGE_RUN", "measure_stages", "zero3_timelines"]
+__all__ = ["STAGE_RUN", "run_many", "measure_stages", "zero3_timelines"]
 
 STAGE_RUN = ShardConfig(model="tiny", vocab_size=512, batch_size=8, seq_len=32, steps=2, precision="bf16",
                         return_state=False)
 
 
-def _runs(rank: int, world_size: int, configs: dict[str, ShardConfig]) -> dict[str, ShardResult]:
+def run_many(rank: int, world_size: int, configs: dict[str, ShardConfig]) -> dict[str, ShardResult]:
+    """:func:`~parallel_lib.sharding.train.run_sharded` for each config in turn, in one launch."""
     return {name: run_sharded(rank, world_size, config) for name, config in configs.items()}
 
 
 def measure_stages(world_size: int = 2, config: ShardConfig = STAGE_RUN) -> tuple[dict, dict, dict, dict]:
     """``(census, formula, sent, expected)`` of rank 0 per stage name ("ZeRO-0" .. "ZeRO-3"), in bytes."""
     configs = {f"ZeRO-{s}": replace(config, stage=s) for s in range(4)}
-    results = launch(_runs, world_size, configs, timeout=600)[0]
+    results = launch(run_many, world_size, configs, timeout=600)[0]
     census = {name: r.census for name, r in results.items()}
     formula = {name: zero_memory(r.num_params, world_size, r.config.stage, r.config.precision)
                for name, r in results.items()}

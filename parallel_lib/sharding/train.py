@@ -94,6 +94,7 @@ def build_model(config: ShardConfig) -> nn.Module:
     """The run's GPT-2 (tied embedding and head), with ``config.freeze`` frozen."""
     model = build_gpt2(config.model, vocab_size=config.vocab_size, seed=config.seed,
                        n_positions=max(config.seq_len, 16))
+    model.loss_type = "ForCausalLM"  # the loss of ``labels=``; unset, transformers warns on every first call
     names = dict(model.named_parameters())
     for name in config.freeze:
         if name not in names:
