@@ -221,3 +221,36 @@ def test_bad_input_is_a_clear_error(launched):
         assert "larger than the 1 trainable elements" in errors["too_many_ranks"]
         assert "changed after sharding" in errors["changed"] and "transformer.wpe.weight" in errors["changed"]
         assert "parameters changed after sharding" in errors["replaced"]
+
+
+# --- simulation and drawing (no ranks) -----------------------------------------------------------
+
+def test_the_zero3_simulation_overlaps_gathers_with_compute_only_with_prefetch():
+    from parallel_lib.common.timeline import makespan
+    from parallel_lib.sharding import simulate_zero3
+
+    serial = simulate_zero3(4, gather=1, forward=2, backward=4, reduce=1, prefetch=False)
+    overlapped = simulate_zero3(4, gather=1, forward=2, backward=4, reduce=1, prefetch=True)
+    forward_gathers = [(e.label, e.start) for e in overlapped if e.kind == "comm"][:4]
+    assert forward_gathers == [("AG layer 0", 0), ("AG layer 1", 1), ("AG layer 2", 3), ("AG layer 3", 5)]
+    assert [e.start for e in serial if e.label == "AG layer 1"][0] == 3  # after layer 0's forward
+    assert makespan(serial) == 36 and makespan(overlapped) == 32
+    assert sum(e.kind == "comm" for e in serial) == 4 + 4 + 4  # gathers forward, gathers backward, reduce-scatters
+    with pytest.raises(ValueError, match="gather must be >= 0"):
+        simulate_zero3(2, gather=-1, forward=1, backward=1, reduce=1, prefetch=True)
+
+
+def test_the_chapter_figures_draw_from_given_numbers():
+    import matplotlib.pyplot as plt
+
+    from parallel_lib.sharding import simulate_zero3
+    from parallel_lib.viz.sharding import calculator_figure, plot_zero_memory, plot_zero_timelines
+
+    formula = {f"ZeRO-{s}": zero_memory(1e6, 4, s) for s in range(4)}
+    fig = plot_zero_memory(formula, formula, {k: 1.0 for k in formula}, {k: 1.0 for k in formula}, title="t")
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 4 * 2 * 3  # 4 stages x (census, formula) x 3 parts
+    fig2 = calculator_figure(7.5, 64, 3, "bf16", "AdamW")
+    assert [t.get_text() for t in fig2.axes[0].texts] == ["120.0", "31.4", "16.6", "1.9"]
+    fig3 = plot_zero_timelines({"a": simulate_zero3(2, 1, 1, 1, 1, False), "b": simulate_zero3(2, 1, 1, 1, 1, True)})
+    assert [ax.get_title() for ax in fig3.axes] == ["a", "b"]
+    plt.close("all")
