@@ -184,7 +184,7 @@ def ring_cases(rank: int, world_size: int) -> dict:
 
 
 def _recorded_batches(fn, *args) -> tuple[list[list[tuple[str, int, int]]], float, float]:
-    """Run ``fn(*args)``; each ``batch_isend_irecv`` call as [(op name, peer, numel)], batched and counted send bytes."""
+    """Run ``fn(*args)``: each ``batch_isend_irecv`` call as [(op, peer, numel)], batched and counted send bytes."""
     from parallel_lib.runtime import count_collectives
 
     batches = []

@@ -144,7 +144,8 @@ def markdown(rows: Sequence[Row], machine: str = "") -> str:
              "ZeRO paper (Rajbhandari et al. 2020, figure 1): 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12), "
              "from the same `zero_memory`:", "",
              markdown_table(["stage", "GB per GPU (formula)", "paper"],
-                            [[s, f"{gb:.1f}", p] for (s, gb), p in zip(zero_paper_table(), ("120", "31.4", "16.6", "1.9"))],
+                            [[s, f"{gb:.1f}", p]
+                             for (s, gb), p in zip(zero_paper_table(), ("120", "31.4", "16.6", "1.9"))],
                             "lrr"), "",
              "Megatron-LM distributed optimizer (docs/source/distrib_optimizer.md), bytes per parameter, d = 64:", "",
              markdown_table(["parameters, gradients", "plain", "distributed", "why"],

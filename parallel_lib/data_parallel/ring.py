@@ -47,8 +47,8 @@ from parallel_lib.common.checks import check_int
 from parallel_lib.data_parallel.ring_cost import algorithm_bandwidth, allreduce_cost, bus_bandwidth, fit_allreduce_cost
 from parallel_lib.runtime.device import rank_device
 
-__all__ = ["Phase", "Transfer", "RingStep", "ring_chunks", "ring_steps", "replay_contributions", "require_process_group",
-           "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+__all__ = ["Phase", "Transfer", "RingStep", "ring_chunks", "ring_steps", "replay_contributions",
+           "require_process_group", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
            "allreduce_cost", "algorithm_bandwidth", "bus_bandwidth", "fit_allreduce_cost"]
 
 Phase = Literal["reduce-scatter", "all-gather"]
@@ -161,7 +161,7 @@ def _check_collective_input(tensor: object, name: str = "tensor", what: str = "r
     return tensor
 
 
-def _segments(start: int, stop: int, size: int) -> list[tuple[int, int]]:
+def _segments(start: int, stop: int, size: int) -> list[tuple[int, int]]:  # [start, stop) in pieces of size
     return [(a, min(a + size, stop)) for a in range(start, stop, size)]
 
 
@@ -169,11 +169,8 @@ _INBOXES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A receive buffer of at least ``numel`` elements, kept from call to call.
-
-    A fresh 32 MB buffer per call costs thousands of page faults (pages zeroed on first
-    touch): a 64 MB all-reduce was half again slower than gloo's own without it.
-    """
+    """A receive buffer of at least ``numel`` elements, kept from call to call (a fresh 32 MB one
+    costs thousands of page faults: a 64 MB all-reduce was half again slower than gloo's without it)."""
     key = (dtype, device)
     if key not in _INBOXES or _INBOXES[key].numel() < numel:
         _INBOXES[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -215,7 +212,7 @@ def _run_steps(flat: torch.Tensor, steps: Sequence[RingStep], bounds: Sequence[t
                 works[len(sent) + k].wait(**wait)
             if reducing:
                 flat[a:b].add_(target[a - r0:b - r0])
-        for work in works[:len(sent)]:  # [3] the sends have left (a work is waited on once: gloo hangs on a second wait)
+        for work in works[:len(sent)]:  # [3] the sends have left (each work waited once: gloo hangs on a 2nd wait)
             work.wait(**wait)
 
 

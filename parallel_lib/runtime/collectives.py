@@ -112,7 +112,8 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
 
 _WRAPPED: dict[str, tuple[str, Extractor]] = {
     "all_reduce": ("all_reduce", lambda a, k: (_bytes(_arg(a, k, 0, "tensor")), _arg(a, k, 2, "group"))),
-    "broadcast": ("broadcast", lambda a, k: (_bytes(_arg(a, k, 0, "tensor")), _arg(a, k, 2, "group"))),  # see _is_source
+    # a broadcast's bytes are charged to its source only (_is_source)
+    "broadcast": ("broadcast", lambda a, k: (_bytes(_arg(a, k, 0, "tensor")), _arg(a, k, 2, "group"))),
     "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: (_bytes(_arg(a, k, 1, "input")), _arg(a, k, 3, "group"))),
     "reduce_scatter": ("reduce_scatter",
                        lambda a, k: (sum(map(_bytes, _arg(a, k, 1, "input_list") or [])), _arg(a, k, 3, "group"))),

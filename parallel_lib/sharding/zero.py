@@ -98,7 +98,8 @@ class ZeroEngine:
             in_layers = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
             seen = {id(p) for ps in in_layers for p in ps}
             outer = [p for p in trainable if id(p) not in seen]
-            owners: list[Optional[nn.Module]] = ([None] if outer else []) + [l for l, ps in zip(layers, in_layers) if ps]
+            owners: list[Optional[nn.Module]] = ([None] if outer else []) + [m for m, ps in zip(layers, in_layers)
+                                                                              if ps]
             param_lists = ([outer] if outer else []) + [ps for ps in in_layers if ps]
             names = (["outer"] if outer else []) + [f"layer {i}" for i, ps in enumerate(in_layers) if ps]
         else:  # reverse order: roughly the order in which backward produces the gradients
