@@ -21,10 +21,8 @@ an fp32 master copy: the 2 + 2 + 12 bytes per parameter of the ZeRO paper.
 the course's :func:`~parallel_lib.data_parallel.ring.ring_reduce_scatter` and
 :func:`~parallel_lib.data_parallel.ring.ring_all_gather`.
 
-Use::
-
-    engine = ZeroEngine(model, stage=2)
-    loss = model(...).loss; loss.backward(); engine.step()   # step also zeroes the gradients
+Use: ``engine = ZeroEngine(model, stage=2)``, then per step ``model(...).loss.backward()`` (once, or
+once per micro-batch to accumulate) and ``engine.step()``, which also zeroes the gradients.
 """
 
 from __future__ import annotations
@@ -113,6 +111,7 @@ class ZeroEngine:
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(self.groups)
         self._pending: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []  # (group, work, packed, shard)
         self._ready: list[set[int]] = [set() for _ in self.groups]
+        self._launched = [False] * len(self.groups)  # reduce-scattered at least once since the last step
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
         self._hooks = []
         if stage >= 2:
@@ -201,7 +200,7 @@ class ZeroEngine:
         shard = torch.empty(group.shard_numel, dtype=packed.dtype, device=packed.device)
         work = self._timed(f"RS {group.name}", lambda: self.reduce_scatter(shard, packed, async_op=True))
         self._pending.append((i, work, packed, shard))
-        self._ready[i] = {id(p) for p in group.params}
+        self._ready[i], self._launched[i] = set(), True  # a second backward (accumulation) starts afresh
 
     def reduce_gradients(self) -> None:
         """Finish every gradient collective: afterwards each rank holds its shard's mean gradient.
@@ -222,13 +221,14 @@ class ZeroEngine:
                     buffer[self.rank * group.shard_numel:(self.rank + 1) * group.shard_numel].copy_(shard)
                 buffer /= self.world_size
             return
-        for i, group in enumerate(self.groups):  # parameters that got no gradient still join, as zeros
-            if len(self._ready[i]) < len(group.params):
+        for i in range(len(self.groups)):  # parameters that got no gradient still join, as zeros
+            if self._ready[i] or not self._launched[i]:
                 self._launch_reduce(i)
-        for i, work, _, shard in self._pending:
+        for i, work, _, shard in self._pending:  # several per group when backward ran several times
             if work is not None:
                 work.wait()
-            self.grad_shards[i] = shard.div_(self.world_size)
+            shard.div_(self.world_size)
+            self.grad_shards[i] = shard if self.grad_shards[i] is None else self.grad_shards[i].add_(shard)
         self._pending.clear()
 
     # --- the step ----------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class ZeroEngine:
         for master in self.master:
             master.grad = None
         self.grad_shards = [None] * len(self.groups)
-        self._ready = [set() for _ in self.groups]
+        self._ready, self._launched = [set() for _ in self.groups], [False] * len(self.groups)
         self._reduced = False
         if self.stage <= 1:
             for buffer in self.grad_full:
