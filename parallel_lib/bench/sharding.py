@@ -46,7 +46,7 @@ class Config:
     per_rank_batch: int = 4      # rows per rank: the same work per rank at every world size
     seq_len: int = 64
     vocab_size: int = 2048
-    steps: int = 4               # step 1 is measured; tokens/s leaves step 0 out
+    steps: int = 6               # step 1 is measured; tokens/s leaves step 0 out
 
 
 QUICK = Config(models=("tiny",), world_sizes=(1, 2), per_rank_batch=2, seq_len=16, vocab_size=256, steps=2)
@@ -120,17 +120,21 @@ def _verdict(rows: Sequence[Row]) -> list[str]:
 def markdown(rows: Sequence[Row], machine: str = "") -> str:
     """The measured table, the verdict, and the paper's and Megatron's tables."""
     machine = machine or machine_label()
+    ddp = {(r.model, r.world_size): r.tokens_per_sec for r in rows if r.variant == "DDP"}
     table = [[r.model, r.world_size, r.variant, r.precision,
               *(f"{_mb(r.census[k])} / {_mb(r.formula[k])}" for k in ("params", "grads", "optimizer")),
               f"{_mb(r.census['total'])} / {_mb(r.formula['total'])}", f"{r.deviation:.2%}", f"{r.worst:.2%}",
               r.padding,
-              f"{_mb(r.sent)} / {_mb(r.traffic)}", f"{r.tokens_per_sec:,.0f}"] for r in rows]
+              f"{_mb(r.sent)} / {_mb(r.traffic)}", f"{r.tokens_per_sec:,.0f}",
+              f"{r.tokens_per_sec / ddp[r.model, r.world_size]:.2f}×" if (r.model, r.world_size) in ddp else "-"]
+             for r in rows]
     worst = max(r.deviation for r in rows)
     uneven = max(rows, key=lambda r: r.worst)
     lines = [f"### Sharded data parallelism — model-state bytes per rank and traffic, {machine}", "",
              markdown_table(["model", "N", "variant", "precision", "params MB (census / formula)", "grads MB",
                              "optimizer MB", "total MB", "mean off by", "worst rank off by", "padding (elements)",
-                             "sent per step MB (counted / formula)", "tokens/s"], table, "lrllrrrrrrrrr"), "",
+                             "sent per step MB (counted / formula)", "tokens/s", "vs DDP"], table,
+                            "lrllrrrrrrrrrr"), "",
              f"Census (mean over ranks) vs formula, largest deviation: {worst:.2%} "
              f"({'within' if worst <= 0.05 else 'NOT within'} 5%). Padding rounds each flat group up to a multiple "
              f"of N. The furthest single rank: {uneven.worst:.2%} ({uneven.variant}, {uneven.model}, "
