@@ -284,3 +284,23 @@ def test_the_chapter_figures_draw_from_given_numbers():
     fig3 = plot_zero_timelines({"a": simulate_zero3(2, 1, 1, 1, 1, False), "b": simulate_zero3(2, 1, 1, 1, 1, True)})
     assert [ax.get_title() for ax in fig3.axes] == ["a", "b"]
     plt.close("all")
+
+
+def test_the_calculator_widget_redraws_when_a_control_changes(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    import matplotlib.pyplot as plt
+
+    from parallel_lib.viz import sharding as viz
+
+    drawn = []
+    real = viz.calculator_figure
+    monkeypatch.setattr(viz, "calculator_figure", lambda **kw: drawn.append(kw) or real(**kw))
+    widget = viz.zero_calculator()
+    controls = [c for box in widget.children[:2] for c in box.children]
+    assert [c.description for c in controls] == ["model", "ranks", "stage", "precision", "optimizer"]
+    controls[2].value = 1  # stage
+    controls[4].value = "SGD"
+    assert drawn == [dict(billions=7.5, world_size=64, stage=3, precision="bf16", optimizer="AdamW"),
+                     dict(billions=7.5, world_size=64, stage=1, precision="bf16", optimizer="AdamW"),
+                     dict(billions=7.5, world_size=64, stage=1, precision="bf16", optimizer="SGD")]
+    plt.close("all")
