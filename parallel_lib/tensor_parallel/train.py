@@ -123,9 +123,10 @@ def tp_groups(world_size: int, tp: int) -> tuple[Any, Any, int, int]:
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, denominator: float,
-          dp_group: Any, dp: int) -> torch.Tensor:
+          dp_group: Any, dp: int) -> tuple[torch.Tensor, int]:
+    """One AdamW step; returns the loss and the activation bytes its forward saved for backward."""
     optimizer.zero_grad(set_to_none=True)
-    logits = model(batch["input_ids"], batch["attention_mask"])
+    logits, activations = saved_activation_bytes(model, batch["input_ids"], batch["attention_mask"])
     loss = _loss(model, logits, batch, denominator)
     loss.backward()
     sync_sequence_parallel_grads(model)
@@ -133,7 +134,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
         for p in model.parameters():
             dist.all_reduce(p.grad, group=dp_group)
     optimizer.step()
-    return loss.detach()
+    return loss.detach(), activations
 
 
 def _loss(model: torch.nn.Module, logits: torch.Tensor, batch: dict, denominator: float) -> torch.Tensor:
@@ -162,13 +163,10 @@ def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool =
         denominator = float(batch["label_token_weights"].sum())
         mine = {key: v.chunk(dp)[d] for key, v in batch.items()}
         start = clock()
-        if k == 0:  # count and measure the first step; time every step
-            with count_collectives() as counter:
-                _, activations = saved_activation_bytes(model, mine["input_ids"], mine["attention_mask"])
-                loss = _step(model, optimizer, mine, denominator, dp_group, dp)
-            counted, wire = counter.by_kind(), counter.wire_bytes()
-        else:
-            loss = _step(model, optimizer, mine, denominator, dp_group, dp)
+        with count_collectives() as counter:
+            loss, saved = _step(model, optimizer, mine, denominator, dp_group, dp)
+        if k == 0:  # the first step's traffic and memory: every step is the same
+            counted, wire, activations = counter.by_kind(), counter.wire_bytes(), saved
         if dp > 1:
             dist.all_reduce(loss, group=dp_group)
         record.append(float(loss), int(mine["label_token_weights"].sum()), clock() - start)
@@ -192,5 +190,5 @@ def dense_run(config: TPConfig, dp: int = 1) -> tuple[list[float], dict[str, tor
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     losses = []
     for batch in make_batches(config, dp):
-        losses.append(float(_step(model, optimizer, batch, float(batch["label_token_weights"].sum()), None, 1)))
+        losses.append(float(_step(model, optimizer, batch, float(batch["label_token_weights"].sum()), None, 1)[0]))
     return losses, {key: v.clone() for key, v in gather_dense(model).state_dict().items()}

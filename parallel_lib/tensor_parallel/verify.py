@@ -91,3 +91,25 @@ def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = F
     grad_diff = max(diff(g, p.grad) for (name, g), p in zip(grads.named_parameters(), dense.parameters()))
     return dict(logits=diff(gathered_logits[keep], logits[keep]), loss=abs(float(my_loss) - float(loss)),
                 grads=grad_diff, forward=forward_calls, step=counter.by_kind())
+
+
+def bad_input_check(rank: int, world_size: int) -> dict[str, str]:
+    """The errors a rank gets for a head count the group's size does not divide and for a group without it.
+
+    Returns ``{"heads": message, "group": message}`` ("" where nothing was raised).
+    """
+    model = build_gpt2("tiny", vocab_size=96 * world_size)  # 4 heads
+    errors = {}
+    try:
+        tensor_parallelize(model, None)
+        errors["heads"] = ""
+    except ValueError as e:
+        errors["heads"] = str(e)
+    others = torch.distributed.new_group([r for r in range(world_size) if r != 0])
+    if rank == 0:
+        try:
+            tensor_parallelize(build_gpt2("tiny", vocab_size=96, n_head=2), others)
+            errors["group"] = ""
+        except ValueError as e:
+            errors["group"] = str(e)
+    return errors
