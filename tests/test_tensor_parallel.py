@@ -144,3 +144,11 @@ def test_heads_not_divisible_and_foreign_group_are_clear_errors():
     assert "n_head=4 is not divisible by the tensor-parallel size tp=3" in results[1]["heads"]
     assert "group does not contain this process (global rank 0" in results[0]["group"]
 
+
+
+def test_pytorch_dtensor_split_gives_the_same_outputs_and_the_pitfall_shows_there_too():
+    from parallel_lib.tensor_parallel.dtensor import dtensor_check
+
+    for r in launch(dtensor_check, 2, TPConfig(), backend="gloo", timeout=120):
+        assert r["logits"] < TOL and r["loss"] < TOL and r["c_attn_grad"] < TOL, r
+        assert r["naive_logits"] > 1e-2  # ColwiseParallel on the fused c_attn as stored: wrong heads
