@@ -97,7 +97,7 @@ def saved_activation_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
+            storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's bytes are its local shard's
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
