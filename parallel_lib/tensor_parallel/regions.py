@@ -84,9 +84,11 @@ def region_label(label: str) -> Iterator[None]:
         _label[0] = previous
 
 
-def _note(op: str, phase: str, collective: str, x: torch.Tensor, y: torch.Tensor) -> None:
+def _note(ctx: Any, op: str, phase: str, collective: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    if phase == "forward":  # the backward is labelled with the layer whose forward it undoes
+        ctx.label = _label[0]
     for trace in _traces:
-        trace.append(RegionEvent(op, phase, collective, tuple(x.shape), tuple(y.shape), _label[0]))
+        trace.append(RegionEvent(op, phase, collective, tuple(x.shape), tuple(y.shape), ctx.label))
 
 
 def group_size(group: Any) -> int:
@@ -145,13 +147,13 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        _note("f", "forward", "none", x, x)
+        _note(ctx, "f", "forward", "none", x, x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = _all_reduce(grad.clone(), ctx.group)
-        _note("f", "backward", "all_reduce", grad, out)
+        _note(ctx, "f", "backward", "all_reduce", grad, out)
         return out, None
 
 
@@ -159,12 +161,12 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         out = _all_reduce(x.clone(), group)
-        _note("g", "forward", "all_reduce", x, out)
+        _note(ctx, "g", "forward", "all_reduce", x, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _note("g", "backward", "none", grad, grad)
+        _note(ctx, "g", "backward", "none", grad, grad)
         return grad, None
 
 
@@ -175,13 +177,13 @@ class _GatherFromTP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         out = _all_gather(x, -1, group)
-        _note("gather_tp", "forward", "all_gather", x, out)
+        _note(ctx, "gather_tp", "forward", "all_gather", x, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = _split(grad, -1, ctx.group)
-        _note("gather_tp", "backward", "none", grad, out)
+        _note(ctx, "gather_tp", "backward", "none", grad, out)
         return out, None
 
 
@@ -190,14 +192,14 @@ class _GatherFromSP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         out = _all_gather(x, SEQUENCE_DIM, group)
-        _note("gather_sp", "forward", "all_gather", x, out)
+        _note(ctx, "gather_sp", "forward", "all_gather", x, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # the gathered tensor feeds a column-parallel layer: each rank's gradient is partial
         out = _reduce_scatter(grad, SEQUENCE_DIM, ctx.group)
-        _note("gather_sp", "backward", "reduce_scatter", grad, out)
+        _note(ctx, "gather_sp", "backward", "reduce_scatter", grad, out)
         return out, None
 
 
@@ -206,13 +208,13 @@ class _ReduceScatterToSP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         out = _reduce_scatter(x, SEQUENCE_DIM, group)
-        _note("reduce_scatter_sp", "forward", "reduce_scatter", x, out)
+        _note(ctx, "reduce_scatter_sp", "forward", "reduce_scatter", x, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = _all_gather(grad, SEQUENCE_DIM, ctx.group)
-        _note("reduce_scatter_sp", "backward", "all_gather", grad, out)
+        _note(ctx, "reduce_scatter_sp", "backward", "all_gather", grad, out)
         return out, None
 
 
@@ -221,13 +223,13 @@ class _ScatterToSP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         out = _split(x, SEQUENCE_DIM, group)
-        _note("scatter_sp", "forward", "none", x, out)
+        _note(ctx, "scatter_sp", "forward", "none", x, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = _all_gather(grad, SEQUENCE_DIM, ctx.group)
-        _note("scatter_sp", "backward", "all_gather", grad, out)
+        _note(ctx, "scatter_sp", "backward", "all_gather", grad, out)
         return out, None
 
 

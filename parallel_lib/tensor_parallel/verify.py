@@ -113,3 +113,19 @@ def bad_input_check(rank: int, world_size: int) -> dict[str, str]:
         except ValueError as e:
             errors["group"] = str(e)
     return errors
+
+
+def layer_trace(rank: int, world_size: int, sequence_parallel: bool = False, batch: int = 2,
+                seq: int = 8) -> list[Any]:
+    """The operators one GPT-2 block issues, forward then backward, as :func:`.regions.record_regions` saw them.
+
+    The chapter's widget replays this record: it is the layer code's own, not a drawing of it.
+    """
+    model = tensor_parallelize(build_gpt2("tiny", vocab_size=64 * world_size, n_layer=1), None, sequence_parallel)
+    local_seq = seq // world_size if sequence_parallel else seq
+    x = torch.randn(batch, local_seq, model.config.n_embd, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    with R.record_regions() as trace:
+        y = model.h[0](x, model._mask_bias(seq, None, x.dtype, x.device), model)
+        y.sum().backward()
+    return trace
