@@ -48,6 +48,7 @@ from parallel_lib.gpu_checks import (
     check_dp,
     check_model_parallel,
     check_pipeline,
+    check_tensor_parallel,
     device_counts,
     free_memory,
     workload_for,
@@ -108,6 +109,8 @@ register_check("model_parallel", Check("03_model_parallel", 1, "GPT-2 over cuda:
                                        "with one GPU, tokens/s", check_model_parallel, splits_layers=True))
 register_check("pipeline", Check("04_pipeline_parallel", 2, "Pipe over cuda:0..p-1: equivalence with one GPU, "
                                  "step times by m, bench pp", check_pipeline, splits_layers=True))
+register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
+                                        "ranks: equivalence with one process", check_tensor_parallel))
 
 
 # --------------------------------------------------------------------------- plan

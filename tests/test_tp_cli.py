@@ -35,3 +35,12 @@ def test_cli_refuses_a_world_size_tp_does_not_divide():
     done = _run([sys.executable, "-m", "parallel_lib.tensor_parallel", "--world-size", "3", "--tp", "2", "--steps", "1",
                  "--timeout", "60"])
     assert done.returncode != 0 and "tp=2 must divide world_size=3" in done.stderr
+
+
+def test_gpu_check_runs_on_cpu_devices_and_reports_equivalence():
+    from parallel_lib import check_gpu
+
+    table = check_gpu.check_tensor_parallel(2, quick=True)
+    rows = [line for line in table.splitlines() if line.startswith("| 2 | 1 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["no", "yes"]
+    assert all(float(row.split(" | ")[3]) < 1e-3 for row in rows)

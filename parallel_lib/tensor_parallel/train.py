@@ -22,6 +22,7 @@ from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.gpt2 import TensorParallelGPT2, sync_sequence_parallel_grads
 
@@ -153,7 +154,8 @@ def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool =
     tp_group, dp_group, tp, dp = tp_groups(world_size, config.tp)
     d = dist.get_rank() // tp
     dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())
-    model = tensor_parallelize(dense, tp_group, config.sequence_parallel, dropout_seed=config.seed)
+    device = rank_device()  # this rank's GPU under NCCL, else the CPU
+    model = tensor_parallelize(dense, tp_group, config.sequence_parallel, dropout_seed=config.seed).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     record, clock = TrainRecord(), DeviceClock(p.device for p in model.parameters())
@@ -161,7 +163,7 @@ def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool =
     wire, activations = 0.0, 0
     for k, batch in enumerate(make_batches(config, dp)):
         denominator = float(batch["label_token_weights"].sum())
-        mine = {key: v.chunk(dp)[d] for key, v in batch.items()}
+        mine = {key: v.chunk(dp)[d].to(device) for key, v in batch.items()}
         start = clock()
         with count_collectives() as counter:
             loss, saved = _step(model, optimizer, mine, denominator, dp_group, dp)
