@@ -29,7 +29,7 @@ from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.tensor_parallel.cost import NVLINK_H100, GPTShape, crossover_width, step_seconds, training_flops
 
-__all__ = ["Config", "QUICK", "Results", "measure", "markdown", "main"]
+__all__ = ["Config", "QUICK", "SWEEP", "Results", "measure", "sweep_series", "markdown", "main"]
 
 H100_FLOPS = 400e12  # bf16, about 40% of the datasheet's 989 TFLOP/s dense: a typical achieved rate (assumption)
 
@@ -53,6 +53,10 @@ class Config:
 
 QUICK = Config(models=("tiny",), vocab_size=256, batch_size=2, seq_len=16, steps=2, warmup=1,
                sweep_widths=(64, 128), timeout=300.0)
+
+
+# only the width sweep, small enough for a notebook cell or a figure (about half a minute on 2 cores)
+SWEEP = Config(models=(), batch_size=2, seq_len=64, steps=3, warmup=1, sweep_widths=(64, 128, 256, 512), timeout=300.0)
 
 
 @dataclass
@@ -105,6 +109,18 @@ def measure(config: Config = Config()) -> Results:
 def _rate(results: Results, shape: GPTShape, seconds: float) -> float:
     c = results.config
     return training_flops(shape, c.batch_size, c.seq_len) / seconds
+
+
+def sweep_series(results: Results) -> tuple[list[int], dict[int, list[float]], dict[int, list[float]]]:
+    """``(widths, {tp: measured seconds}, {tp: α–β predicted seconds})`` of the width sweep, for plotting."""
+    c = results.config
+    widths = sorted({w for w, _ in results.sweep})
+    shapes = [_shape("tiny", c.sweep_vocab, **_sweep_overrides(w, c)) for w in widths]
+    rate = _rate(results, shapes[-1], results.sweep[(widths[-1], 1)])
+    measured = {tp: [results.sweep[(w, tp)] for w in widths] for tp in (1, 2)}
+    predicted = {tp: [step_seconds(s, c.batch_size, c.seq_len, tp, rate, results.bandwidth, results.latency)["total"]
+                      for s in shapes] for tp in (1, 2)}
+    return widths, measured, predicted
 
 
 def markdown(results: Results) -> str:

@@ -129,3 +129,8 @@ def layer_trace(rank: int, world_size: int, sequence_parallel: bool = False, bat
         y = model.h[0](x, model._mask_bias(seq, None, x.dtype, x.device), model)
         y.sum().backward()
     return trace
+
+
+def many(rank: int, world_size: int, calls: list[tuple[Any, tuple]]) -> list[Any]:
+    """Run several workers ``fn(rank, world_size, *args)`` one after the other in the same ranks (one launch)."""
+    return [fn(rank, world_size, *args) for fn, args in calls]

@@ -149,6 +149,7 @@ def render_step_times(widths: Sequence[int], measured: dict[int, Sequence[float]
         ax.plot(widths, [t * 1e3 for t in predicted[tp]], "-", color=color, alpha=0.6, label=f"tp={tp} predicted")
     ax.set(xscale="log", yscale="log", xlabel="width n_embd", ylabel="ms per training step", title=title)
     ax.set_xticks(list(widths), [str(w) for w in widths])
+    ax.minorticks_off()
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
