@@ -91,7 +91,7 @@ def dtensor_check(rank: int, world_size: int, config: Any) -> dict[str, float]:
     their_grad = theirs.h[0].c_attn.weight.grad.to_local()
     naive = dtensor_parallelize(dense, mesh, reorder_qkv=False)(ids, mask).detach()
     return dict(logits=float((gathered[keep] - their_logits.detach()[keep]).abs().max()),
-                loss=abs(float(ours.loss(our_logits.detach(), labels, weights)) - float(their_loss)),
+                loss=abs(float(ours.loss(our_logits.detach(), labels, weights)) - float(their_loss.detach())),
                 c_attn_grad=float((ours.h[0].c_attn.weight.grad - their_grad).abs().max()),
                 naive_logits=float((naive[keep] - their_logits.detach()[keep]).abs().max()))
 
