@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python -m parallel_lib.bench dp
 	$(BIN)/python -m parallel_lib.bench allreduce
 	$(BIN)/python -m parallel_lib.bench pp
+	$(BIN)/python -m parallel_lib.bench tp
 
 # The torch step first tries a torch wheel that pip can find locally (a classroom's
 # wheel folder set as pip's find-links) so no multi-GB CUDA build is downloaded on a
