@@ -95,8 +95,11 @@ def allreduce_fit(rank: int, world_size: int, sizes: tuple[int, ...] = (1 << 10,
     return fit_allreduce_cost(list(map(float, sizes)), seconds, world_size)
 
 
-def measure_all(rank: int, world_size: int, jobs: list[tuple[str, str, int, dict[str, Any]]], batch: int, seq: int,
-                steps: int, warmup: int, fit: bool) -> tuple[list[Run], Optional[tuple[float, float]]]:
-    """Every ``(impl, model, vocab, overrides)`` job in turn in this launch, and (``fit``) the all-reduce fit."""
+def measure_all(rank: int, world_size: int, jobs: list[tuple[str, str, int, dict[str, Any], int, int]], batch: int,
+                seq: int, fit: bool) -> tuple[list[Run], Optional[tuple[float, float]]]:
+    """Every ``(impl, model, vocab, overrides, steps, warmup)`` job in turn in this launch, and (``fit``) the all-reduce fit."""
     fitted = allreduce_fit(rank, world_size) if fit else None
-    return [timed_steps(rank, world_size, *job, batch, seq, steps, warmup) for job in jobs], fitted
+    runs = []
+    for impl, name, vocab, overrides, steps, warmup in jobs:
+        runs.append(timed_steps(rank, world_size, impl, name, vocab, overrides, batch, seq, steps, warmup))
+    return runs, fitted

@@ -43,20 +43,23 @@ class Config:
     batch_size: int = 2
     seq_len: int = 128
     max_tp: int = 2
-    steps: int = 3
+    steps: int = 4                 # per GPT-2 variant: the 124M shape takes seconds per step on a CPU
     warmup: int = 1
-    sweep_widths: tuple[int, ...] = (128, 256, 512, 1024)
+    sweep_widths: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    sweep_steps: int = 8           # the sweep's models are small: more steps, a steadier median
+    sweep_warmup: int = 2
     sweep_layers: int = 2
     sweep_vocab: int = 1024
     timeout: float = 1200.0
 
 
 QUICK = Config(models=("tiny",), vocab_size=256, batch_size=2, seq_len=16, steps=2, warmup=1,
-               sweep_widths=(64, 128), timeout=300.0)
+               sweep_widths=(64, 128), sweep_steps=2, sweep_warmup=1, timeout=300.0)
 
 
 # only the width sweep, small enough for a notebook cell or a figure (about half a minute on 2 cores)
-SWEEP = Config(models=(), batch_size=2, seq_len=64, steps=3, warmup=1, sweep_widths=(64, 128, 256, 512), timeout=300.0)
+SWEEP = Config(models=(), batch_size=2, seq_len=64, sweep_widths=(64, 128, 256, 512), sweep_steps=4, sweep_warmup=1,
+               timeout=300.0)
 
 
 @dataclass
@@ -87,18 +90,18 @@ def measure(config: Config = Config()) -> Results:
     Raises:
         ValueError: ``max_tp`` below 2, or ``steps <= warmup``.
     """
-    if config.max_tp < 2 or config.steps <= config.warmup:
-        raise ValueError(f"need max_tp >= 2 and steps > warmup, got max_tp={config.max_tp}, "
-                         f"steps={config.steps}, warmup={config.warmup}")
+    if config.max_tp < 2 or config.steps <= config.warmup or config.sweep_steps <= config.sweep_warmup:
+        raise ValueError(f"need max_tp >= 2 and steps > warmup, got max_tp={config.max_tp}, steps={config.steps}, "
+                         f"warmup={config.warmup}, sweep_steps={config.sweep_steps}, sweep_warmup={config.sweep_warmup}")
     c, fitted = config, (0.0, 0.0)
     runs: dict[tuple[str, int, str], Run] = {}
     sweep: dict[tuple[int, int], float] = {}
     for tp in [t for t in (1, 2, 4) if t <= c.max_tp]:
         keys = [(name, tp, impl) for name in c.models for impl in (IMPLEMENTATIONS if tp > 1 else ("course",))]
-        jobs = [(impl, name, c.vocab_size, {}) for name, _, impl in keys]
+        jobs = [(impl, name, c.vocab_size, {}, c.steps, c.warmup) for name, _, impl in keys]
         widths = list(c.sweep_widths) if tp <= 2 else []
-        jobs += [("course", "tiny", c.sweep_vocab, _sweep_overrides(w, c)) for w in widths]
-        measured, fit = launch(measure_all, tp, jobs, c.batch_size, c.seq_len, c.steps, c.warmup, tp == 2,
+        jobs += [("course", "tiny", c.sweep_vocab, _sweep_overrides(w, c), c.sweep_steps, c.sweep_warmup) for w in widths]
+        measured, fit = launch(measure_all, tp, jobs, c.batch_size, c.seq_len, tp == 2,
                                backend="gloo", timeout=c.timeout, threads_per_rank=1)[0]
         fitted = fit or fitted
         runs.update(zip(keys, measured))
@@ -139,7 +142,7 @@ def markdown(results: Results) -> str:
                      f"{tokens / run.step_seconds:,.0f}", f"{predicted * 1e3:,.0f}", f"{run.parameter_bytes / 1e6:,.1f}",
                      f"{run.activation_bytes / 1e6:,.1f}", sent])
     out = [f"Tensor parallelism on {results.machine}: batch {c.batch_size} x {c.seq_len} tokens, AdamW, fp32, "
-           f"median of {c.steps - c.warmup} steps; gloo all-reduce fitted to bandwidth {bw / 1e9:.2f} GB/s, "
+           f"median of {c.steps - c.warmup} steps ({c.sweep_steps - c.sweep_warmup} in the sweep); gloo all-reduce fitted to bandwidth {bw / 1e9:.2f} GB/s, "
            f"latency {lat * 1e6:.0f} µs per ring step", "",
            markdown_table(["model", "tp", "implementation", "step ms", "tokens/s", "predicted ms (α–β)",
                            "params MB/rank", "activations MB/rank", "sent MB/step/rank"], rows)]
