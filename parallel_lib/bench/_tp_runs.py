@@ -92,7 +92,12 @@ def allreduce_fit(rank: int, world_size: int, sizes: tuple[int, ...] = (1 << 10,
             dist.all_reduce(x)
             times.append(time.perf_counter() - start)
         seconds.append(statistics.median(times))
-    return fit_allreduce_cost(list(map(float, sizes)), seconds, world_size)
+    try:
+        return fit_allreduce_cost(list(map(float, sizes)), seconds, world_size)
+    except ValueError:  # a noisy machine can make a small message look slower than a large one
+        n = world_size
+        bandwidth = 2 * (n - 1) / n * sizes[-1] / max(seconds[-1] - seconds[0], 1e-9)
+        return bandwidth, seconds[0] / (2 * (n - 1))  # the smallest message: latency only
 
 
 def measure_all(rank: int, world_size: int, jobs: list[tuple[str, str, int, dict[str, Any], int, int]], batch: int,
