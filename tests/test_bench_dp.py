@@ -23,6 +23,14 @@ def test_table_from_known_step_times():
     assert "| 2 ranks, no sync (ceiling) | 2 | 10.5 | 7,619 | 1.90× | 95% | 1.00× |" in table
     assert "| bucketed | 2 | 11.0 | 7,273 | 1.82× | 91% | 0.95× |" in table
     assert "bucketed: 1.82× one rank" in table and "1.00× DDP" in table
+    assert "Warning" not in table
+    assert "target" not in markdown(results, targets=False)
+
+
+def test_table_warns_when_the_ceiling_did_not_scale():
+    config = Config(world_size=2, per_rank_batch=4, max_length=10, repeats=1, methods=("bucketed",))
+    busy = Results(config, "busy machine", "tiny", "cpu", {"1 rank": 0.010, "none": 0.016, "bucketed": 0.018})
+    assert "Warning: 2 workers with no communication at all ran only 1.25x" in markdown(busy)
 
 
 @pytest.mark.parametrize("change", [dict(world_size=1), dict(methods=("bucketed", "allgather")), dict(steps=1)])

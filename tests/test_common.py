@@ -47,3 +47,13 @@ def test_markdown_table():
         markdown_table(["name", "ms"], [["a"]])
     with pytest.raises(ValueError, match="align must be"):
         markdown_table(["name"], [], align="c")
+
+
+def test_busy_machine_warning_only_when_even_the_ceiling_does_not_scale():
+    from parallel_lib.common import busy_machine_warning
+
+    assert busy_machine_warning(1.9, 2) == ""
+    assert busy_machine_warning(3.0, 4) == ""
+    warning = busy_machine_warning(1.2, 2)
+    assert "1.20x" in warning and "2 workers" in warning
+    assert busy_machine_warning(2.9, 4) != ""

@@ -124,7 +124,8 @@ def test_hanging_rank_is_stopped_at_the_timeout():
         launch(_workers.hang_on_last_rank, 2, timeout=6)
 
     assert 1 in excinfo.value.ranks
-    assert 6 <= time.monotonic() - start < 6 + 8  # stopped right away, not left waiting
+    # the 6 s count from the moment both ranks joined (start-up has its own timeout): stopped right away
+    assert 6 <= time.monotonic() - start < 6 + 20
 
 
 def test_rank_dying_without_exception_reports_exit_code():

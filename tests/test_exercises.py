@@ -42,7 +42,7 @@ def notebook_function(source: str):
 # ----------------------------------------------------------------------------- the registry
 
 def test_registry_covers_every_chapter_with_two_to_four_exercises():
-    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "07"]
+    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07"]
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
@@ -224,6 +224,22 @@ WRONG = [
             stages = math.ceil(16 * n_params / gpu_bytes)
             return stages, n_gpus // stages   # forgets the models that do not fit
      """, ["plan_parallelism(68976648192, 85899345920, 8)", "expected None (it does not fit), got (13, 0)"]),
+    ("shard_owner", """
+        def owner_of(index, numel, world_size):
+            return index * world_size // numel  # forgets the padding
+     """, ["owner_of(5, 10, 4)", "expected 1, got 2", "ceil(10 / 4) = 3 elements each, padding included"]),
+    ("shard_owner", """
+        def owner_of(index, numel, world_size):
+            return index // (numel // world_size)  # rounds the shard down
+     """, ["owner_of(5, 10, 4)", "expected 1, got 2", "padding included, not numel / N"]),
+    ("zero_bytes_per_rank", """
+        def zero_bytes_per_rank(n_params, world_size, stage):
+            return 16 * n_params / world_size if stage else 16 * n_params  # shards everything from stage 1
+     """, ["zero_bytes_per_rank(1000000, 4, 1)", "stage 1 divides by N: optimizer states"]),
+    ("zero3_bytes_sent", """
+        def zero3_bytes_sent(n_params, world_size, bytes_per_param):
+            return 2 * (world_size - 1) / world_size * n_params * bytes_per_param  # as data parallelism
+     """, ["zero3_bytes_sent(1000, 2, 2)", "all-gathers the parameters a second time"]),
 ]
 
 
@@ -311,6 +327,30 @@ def test_average_gradients_crash_on_a_frozen_layer_is_caught_without_spawning():
     assert not result.passed and not torch.distributed.is_initialized()
     assert "case 'a frozen first layer': raised AttributeError" in result.message
     assert "requires_grad=False" in result.message
+
+
+# ----------------------------------------------------------------------------- float tolerance
+
+def _in_float32(reference):
+    """The reference solution, computed as a student's torch code would: a float32 tensor."""
+    def answer(*args):
+        return torch.tensor(float(reference(*args)), dtype=torch.float32)
+    return answer
+
+
+@pytest.mark.parametrize("name", ["ring_bytes_sent", "training_bytes", "pipeline_bubble", "bytes_per_device"])
+def test_float32_answers_are_accepted(name):
+    item = exercise(name)
+    result = item.check(_in_float32(item.solution))
+    assert result.passed, result.message
+
+
+def test_numbers_that_differ_are_printed_with_the_digits_that_differ():
+    from parallel_lib.exercises._core import same_number
+
+    assert same_number(3 / 11, float(torch.tensor(3 / 11, dtype=torch.float32))) is None
+    assert same_number(3 / 11, 0.2727268) == "expected 0.2727273, got 0.2727268"  # 6 digits would read equal
+    assert same_number(3 / 11, 0.375) == "expected 0.272727, got 0.375"
 
 
 # ----------------------------------------------------------------------------- chapter 07

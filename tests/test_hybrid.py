@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from parallel_lib.data_parallel import single_process_reference
 from parallel_lib.hybrid import (
@@ -25,6 +26,8 @@ from parallel_lib.hybrid import (
     run_hybrid_many,
     summarize,
 )
+from parallel_lib.pipeline_parallel import make_schedule
+from parallel_lib.pipeline_parallel.link import StageLink, exchange_plan, find_deadlock
 from parallel_lib.planner import p2p_bytes
 from parallel_lib.runtime import launch
 
@@ -165,3 +168,86 @@ def test_gather_state_needs_returned_parameters(launched):
 def test_run_hybrid_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialised process group"):
         run_hybrid(0, 4, BASE)
+
+
+# ---- point-to-point built for NCCL: paired exchanges, no tags, 64 MB messages ----
+
+BIG = 64 * 2**20 // 4  # float32 values in one 64 MB message (a 124M GPT-2 activation is ~25 MB)
+P2P = replace(BASE, dp=1, pp=2, micro_batches=2, steps=1, return_state=False)
+
+
+def _value(message):
+    return float(message.micro_batch + 1) * (1 if message.kind == "activation" else -1)
+
+
+def p2p_calls_then_big_exchanges(rank, world_size):
+    """Record every batch_isend_irecv of a hybrid step; then a 1F1B exchange plan with 64 MB tensors."""
+    batches = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append([("send" if op.op is dist.isend else "recv", op.peer, op.tag) for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        run_hybrid(rank, world_size, P2P)
+    finally:
+        dist.batch_isend_irecv = original
+    schedule = make_schedule("1f1b", 2, 2)
+    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"))
+    received = []
+    for e in exchange_plan(schedule, rank):
+        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs, lambda m: (BIG,))
+        received += [(m, t[0].item(), t[-1].item()) for m, t in zip(e.recvs, got)]
+    return batches, received, link.bytes_sent
+
+
+@pytest.fixture(scope="module")
+def p2p_launched():
+    return launch(p2p_calls_then_big_exchanges, 2, threads_per_rank=1, timeout=240)
+
+
+def test_every_pipeline_exchange_is_one_batch_isend_irecv_without_tags(p2p_launched):
+    schedule = make_schedule(P2P.schedule, P2P.pp, P2P.micro_batches)
+    for rank, (batches, _, _) in enumerate(p2p_launched):
+        peer = 1 - rank
+        expected = [[("recv", peer, 0)] * len(e.recvs) + [("send", peer, 0)] * len(e.sends)
+                    for e in exchange_plan(schedule, rank)]
+        assert batches == expected, rank  # the old code posted isend/irecv one by one, tagged
+
+
+def test_64_mb_messages_arrive_in_order_through_a_1f1b_exchange_plan(p2p_launched):
+    for rank, (_, received, sent) in enumerate(p2p_launched):
+        assert received and all(first == last == _value(m) for m, first, last in received), rank
+        assert sent == 2 * BIG * 4  # two 64 MB messages each way
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_paired_exchanges_complete_under_nccl_rules(name, p, m):
+    assert find_deadlock(make_schedule(name, p, m)) is None
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (3, 4), (4, 8)])
+def test_unpaired_sends_deadlock_1f1b_under_nccl_rules(p, m):
+    """What the hybrid 1F1B did before: neighbours both sending, each waiting for the other's receive."""
+    verdict = find_deadlock(make_schedule("1f1b", p, m), paired=False)
+    assert verdict is not None and verdict.startswith("deadlock: stage 0 waits in [send activation")
+    assert find_deadlock(make_schedule("gpipe", p, m), paired=False) is None  # all sends, then all receives
+
+
+def test_a_message_matched_with_the_wrong_micro_batch_is_found():
+    from parallel_lib.pipeline_parallel import Action, Schedule
+    F, B = (lambda i: Action("F", i)), (lambda i: Action("B", i))
+    swapped = Schedule("swapped", 2, 2, ((F(0), F(1), B(0), B(1)), (F(1), F(0), B(0), B(1))))
+    assert "is matched with" in find_deadlock(swapped)
+
+
+def test_bucketed_all_reduce_takes_a_group_or_a_custom_all_reduce_not_both():
+    from torch import nn
+
+    from parallel_lib.data_parallel import BucketedAllReduce
+    with pytest.raises(ValueError, match="give all_reduce or group, not both"):
+        BucketedAllReduce(nn.Linear(2, 2), all_reduce=lambda t: None, group=object())

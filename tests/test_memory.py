@@ -55,7 +55,7 @@ def test_bad_estimate_inputs():
         training_memory(10, "fp32", "lion")
     with pytest.raises(ValueError, match="n_params must be >= 0"):
         training_memory(-1)
-    with pytest.raises(ValueError, match="n_devices must be >= 1"):
+    with pytest.raises(ValueError, match="n_devices must be an int >= 1"):
         training_memory(10).per_device(0)
     with pytest.raises(ValueError, match="sizes must be >= 1"):
         activation_memory(0, 2, 4, 2, 5)

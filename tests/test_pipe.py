@@ -270,8 +270,6 @@ def test_bad_arguments_are_named():
         Pipe(nn.Linear(2, 2), [0])
     with pytest.raises(ValueError, match="devices asks for 4 stages but there are only 3 blocks"):
         gpt2_stages(build_gpt2("tiny", vocab_size=11, n_layer=3), [0, 1, 2, 3])
-    with Pipe(model, [0, 1], chunks=4) as pipe:
-        with pytest.raises(ValueError, match="a batch of 3 rows cannot be split into chunks=4"):
-            pipe(torch.randn(3, 6))
+    with Pipe(model, [0, 1], chunks=4) as pipe:  # a batch shorter than chunks: see test_pipe_bugs.py
         with pytest.raises(ValueError, match="target must be tensors with 8 rows"):
             pipe.train_step(torch.randn(8, 6), torch.randn(7, 6), mse)

@@ -27,6 +27,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from parallel_lib.common.tables import markdown_table
+from parallel_lib.common.training import busy_machine_warning
 from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, run_dp, train_replica
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
@@ -116,8 +117,12 @@ def measure(config: Config = Config(), timeout: float = 1800.0) -> Results:
                    {variant: statistics.median(values) for variant, values in seconds.items()})
 
 
-def markdown(results: Results) -> str:
-    """The pasteable table, headed by the machine, with the targets of the course."""
+def markdown(results: Results, targets: bool = True) -> str:
+    """The pasteable table, headed by the machine, with the targets of the course.
+
+    ``targets=False`` leaves out the targets line, which is set for the full benchmark: a short run
+    (a notebook's) is not held to it. A warning is added when even the ceiling did not scale.
+    """
     c, n = results.config, results.config.world_size
     names = {SOLO: "1 rank (baseline)", CEILING: f"{n} ranks, no sync (ceiling)"}
     rows = [[names.get(variant, variant), results.ranks(variant), f"{results.step_seconds[variant] * 1e3:.1f}",
@@ -129,7 +134,10 @@ def markdown(results: Results) -> str:
              f"repeats x {c.steps - c.warmup} steps.", "",
              markdown_table(["variant", "ranks", "ms / step", "tokens/s", "× 1 rank", "scaling efficiency",
                              "× ceiling"], rows, align="lrrrrrr")]
-    if "bucketed" in c.methods:
+    warning = busy_machine_warning(results.speedup(CEILING), n)
+    if warning:
+        lines += ["", warning]
+    if targets and "bucketed" in c.methods:
         line = (f"bucketed: {results.speedup('bucketed'):.2f}× one rank (target >= 1.7× at 2 ranks), "
                 f"{results.of_ceiling('bucketed'):.2f}× the ceiling (target >= 0.9×)")
         if "ddp" in c.methods:

@@ -2,6 +2,7 @@
 argument checks and markdown tables.
 """
 
+from parallel_lib.common.activations import ActivationStep, SavedTensors, measure_step_activations, set_recomputation
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
 from parallel_lib.common.tables import markdown_table
@@ -16,9 +17,14 @@ from parallel_lib.common.timeline import (
     max_concurrency,
     synchronize_devices,
 )
-from parallel_lib.common.training import TrainRecord, evaluate, forward_loss, train, weighted_cross_entropy
+from parallel_lib.common.training import (TrainRecord, busy_machine_warning, evaluate, forward_loss, train,
+                                         weighted_cross_entropy)
 
 __all__ = [
+    "SavedTensors",
+    "set_recomputation",
+    "ActivationStep",
+    "measure_step_activations",
     "check_int",
     "positive_int",
     "check_number",
@@ -39,6 +45,7 @@ __all__ = [
     "max_concurrency",
     "idle_fraction",
     "TrainRecord",
+    "busy_machine_warning",
     "weighted_cross_entropy",
     "forward_loss",
     "train",

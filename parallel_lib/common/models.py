@@ -12,6 +12,9 @@ dropout masks), and modern pre-training recipes (nanoGPT, LLaMA) use none either
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -19,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from parallel_lib.common.checks import check_choice, positive_int
 
-__all__ = ["GPT2_SIZES", "gpt2_config", "build_gpt2", "count_parameters"]
+__all__ = ["GPT2_SIZES", "gpt2_config", "build_gpt2", "PositionEmbedding", "count_parameters"]
 
 # name -> the shape fields of GPT2Config. "gpt2" is the real 124M shape.
 GPT2_SIZES: dict[str, dict[str, int]] = {
@@ -41,10 +44,19 @@ def gpt2_config(name: str = "tiny", vocab_size: int = 50257, **overrides: Any) -
         **overrides: any ``GPT2Config`` field, e.g. ``n_layer=8``.
 
     Raises:
-        ValueError: unknown ``name`` or a ``vocab_size`` below 1.
+        ValueError: unknown ``name``, a ``vocab_size`` below 1, or an override that is not a
+            ``GPT2Config`` field (``n_layers`` for ``n_layer``: ``GPT2Config`` would keep it as
+            an unused attribute and build the default depth without a word).
     """
     check_choice("name", name, sorted(GPT2_SIZES))
     positive_int("vocab_size", vocab_size)
+    unknown = sorted(set(overrides) - _config_fields())
+    if unknown:
+        guesses = {key: difflib.get_close_matches(key, sorted(_config_fields()), n=1) for key in unknown}
+        meant = "; ".join(f"{key}: did you mean {guess[0]}?" for key, guess in guesses.items() if guess)
+        raise ValueError(f"unknown GPT2Config field(s) {unknown} in the overrides"
+                         f"{' (' + meant + ')' if meant else ''}; the size fields are n_layer, n_embd, n_head, "
+                         "n_positions")
     fields: dict[str, Any] = dict(GPT2_SIZES[name])
     # bos/eos default to None: GPT-2's 50256 lies outside a course tokenizer's vocabulary;
     # pass the tokenizer's ids as overrides where generation needs them
@@ -71,7 +83,33 @@ def build_gpt2(name: str = "tiny", vocab_size: int = 50257, seed: int = 0, **ove
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config)
+    # on the position table itself, so that pipeline stages built from its layers check too
+    model.transformer.wpe.__class__ = PositionEmbedding
     return model
+
+
+class PositionEmbedding(torch.nn.Embedding):
+    """GPT-2's position table, which refuses a sequence longer than the model.
+
+    Without the check, torch fails deep inside the embedding with "IndexError: index out
+    of range in self", which names neither the sequence nor the model's limit. The table
+    is the one module every forward pass (whole model or pipeline stage) goes through.
+    """
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        length = positions.shape[-1]
+        if length > self.num_embeddings:
+            raise ValueError(f"a sequence of {length} tokens is longer than the model's n_positions="
+                             f"{self.num_embeddings}; cut the batch (collate_batch(..., model_max_length="
+                             f"{self.num_embeddings})) or build a model with more positions (n_positions=...)")
+        return super().forward(positions)
+
+
+@lru_cache(maxsize=1)
+def _config_fields() -> frozenset[str]:
+    """Every name ``GPT2Config`` accepts as a field (its own, the shared config ones, the aliases)."""
+    own = set(inspect.signature(GPT2Config.__init__).parameters) - {"self", "kwargs"}
+    return frozenset(own | set(GPT2Config().to_dict()) | set(GPT2Config.attribute_map))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

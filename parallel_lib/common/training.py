@@ -1,6 +1,6 @@
 """The training loop every chapter shares: weighted loss, one step, a record of each step.
 
-The classic tutorial's loop is a sketch (no imports, no ``processes`` list, no loss on
+The source article's loop is a sketch (no imports, no ``processes`` list, no loss on
 target tokens only). This one is complete and small enough to read in one sitting:
 
     for each batch:  zero_grad -> forward -> loss -> backward
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from parallel_lib.common.timeline import DeviceClock
 
-__all__ = ["TrainRecord", "weighted_cross_entropy", "forward_loss", "train", "evaluate"]
+__all__ = ["TrainRecord", "weighted_cross_entropy", "forward_loss", "train", "evaluate", "busy_machine_warning"]
 
 Batch = Mapping[str, Any]  # {"input_ids", "labels", "label_token_weights"} as from text.collate_batch
 
@@ -257,3 +257,18 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.dev
     if weight_sum == 0:
         raise ValueError("batches must hold at least one target token (label_token_weights all 0 or no batches)")
     return loss_sum / weight_sum
+
+
+def busy_machine_warning(ceiling: float, workers: int, threshold: float = 0.75) -> str:
+    """A warning when ``workers`` with nothing to share ran below ``threshold * workers`` x one worker.
+
+    Scaling numbers on a laptop are only meaningful when the cores are free. The ceiling run (the
+    same work on every worker with no communication at all) is the check: if even it falls far
+    short of ``workers`` x, other programs hold the cores and every ratio printed beside it
+    measures the machine's load, not the parallel strategy. Returns "" when the ceiling is fine.
+    """
+    if ceiling >= threshold * workers:
+        return ""
+    return (f"Warning: {workers} workers with no communication at all ran only {ceiling:.2f}x as fast as one "
+            f"(expected about {workers}x): other programs are using the cores, so the ratios here measure the "
+            "machine's load. Close them (or wait) and run again.")

@@ -70,6 +70,7 @@ def load_hf_translation(name: str, split: str = "train", config: str | None = No
     Raises:
         ImportError: ``datasets`` is not installed.
         KeyError: a row lacks ``src_key`` or ``tgt_key``.
+        ValueError: a row whose source or target is not a string (``None``).
     """
     try:
         import datasets  # optional, imported only here: the course runs without it
@@ -82,5 +83,9 @@ def load_hf_translation(name: str, split: str = "train", config: str | None = No
         if src_key not in row or tgt_key not in row:
             raise KeyError(f"src_key={src_key!r} and tgt_key={tgt_key!r} must be keys of every translation, "
                            f"got a row with keys {sorted(row)}")
+        bad = [key for key in (src_key, tgt_key) if not isinstance(row[key], str)]
+        if bad:  # a None side would fail much later, inside the tokenizer, far from the row
+            raise ValueError(f"row {len(pairs)} of {name!r} ({split}) has no text for {bad}: got {row!r}; "
+                             "clean the set first (e.g. .filter on the translation column)")
         pairs.append({src_key: row[src_key], tgt_key: row[tgt_key]})
     return pairs

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from parallel_lib.common.checks import check_int, positive_int
 
 __all__ = ["Partition", "DataPartitioner", "PartitionSampler", "partition_lengths", "partition_dataset",
-           "global_batch_indices"]
+           "global_batch_indices", "check_global_batch"]
 
 
 class Partition(Dataset):
@@ -120,16 +120,14 @@ class DataPartitioner:
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch``; call ``use`` again afterwards for the new parts."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got epoch={epoch!r}")
+        check_int("epoch", epoch, minimum=0)  # True would silently mean epoch 1
         self.epoch = epoch
         self.partitions = self._split()
 
     def use(self, rank: int) -> Partition:
         """The part of ``rank`` (the ``rank``-th entry of ``sizes``) for the current epoch."""
-        if not isinstance(rank, int) or not 0 <= rank < len(self.partitions):
-            raise ValueError(f"rank must be in [0, {len(self.partitions)}) (one part per entry of sizes), "
-                             f"got rank={rank!r}")
+        # check_int refuses True, which would otherwise silently mean part 1
+        check_int("rank", rank, minimum=0, maximum=len(self.partitions) - 1, hint="one part per entry of sizes")
         return Partition(self.data, self.partitions[rank])
 
 
@@ -178,8 +176,17 @@ def _check_rank(rank: int, world_size: int) -> None:
     check_int("rank", rank, minimum=0, maximum=world_size - 1)
 
 
-def _local_batch_size(batch_size: int, world_size: int) -> int:
-    if not isinstance(batch_size, int) or batch_size < world_size:
+def check_global_batch(batch_size: int, world_size: int) -> int:
+    """The per-rank batch ``batch_size // world_size``, if the global batch divides over the ranks.
+
+    Call it before starting ranks (the command line does), so that a batch that does not
+    divide is one clear message rather than the same error from every rank.
+
+    Raises:
+        ValueError: ``world_size < 1``, a ``batch_size`` below ``world_size`` or not a multiple of it.
+    """
+    positive_int("world_size", world_size)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < world_size:
         raise ValueError(f"batch_size is the global batch and must be at least world_size={world_size} "
                          f"(one example per rank), got batch_size={batch_size!r}")
     if batch_size % world_size:
@@ -214,7 +221,7 @@ def partition_dataset(rank: int, world_size: int, dataset: Any, batch_size: int 
             below ``world_size`` or not divisible by it, or fewer examples than ranks.
     """
     _check_rank(rank, world_size)
-    local_batch = _local_batch_size(batch_size, world_size)
+    local_batch = check_global_batch(batch_size, world_size)
     sampler = PartitionSampler(len(dataset), rank, world_size, seed, drop_last)
     return DataLoader(dataset, batch_size=local_batch, sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
 
@@ -238,7 +245,7 @@ def global_batch_indices(data: Sized | int, world_size: int, batch_size: int, se
     """
     num_examples = data if isinstance(data, int) else len(data)
     _check_rank(0, world_size)
-    local_batch = _local_batch_size(batch_size, world_size)
+    local_batch = check_global_batch(batch_size, world_size)
     samplers = [PartitionSampler(num_examples, r, world_size, seed, drop_last) for r in range(world_size)]
     for sampler in samplers:
         sampler.set_epoch(epoch)

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -107,9 +107,11 @@ def collate_batch(examples: Sequence[Example], src_key: str, tgt_key: str, token
 
     Raises:
         ValueError: no examples, ``model_max_length`` below 1 or a tokenizer without pad/eos.
+        TypeError: ``examples`` is not a list of pairs (e.g. a DataLoader batch that PyTorch's
+            default collate already turned into ``{"de": [...], "en": [...]}``), or a text
+            that is not a string (``None`` in loaded data).
     """
-    if len(examples) == 0:
-        raise ValueError("examples must hold at least one pair, got an empty batch")
+    _check_examples(examples, src_key, tgt_key)
     positive_int("model_max_length", model_max_length)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos is None or pad is None:
@@ -129,3 +131,21 @@ def collate_batch(examples: Sequence[Example], src_key: str, tgt_key: str, token
         weights[row, len(s):n] = 1.0  # labels from the first target token on (nothing if cut off)
     batch = {"input_ids": input_ids, "labels": labels, "label_token_weights": weights}
     return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def _check_examples(examples: Sequence[Example], src_key: str, tgt_key: str) -> None:
+    if isinstance(examples, Mapping):  # what DataLoader's default collate makes of a list of pairs
+        raise TypeError(f"examples must be a list of pairs, got one dict with keys {sorted(examples)}: a batch "
+                        "that PyTorch's default collate already merged. Give the DataLoader "
+                        "collate_fn=functools.partial(collate_batch, src_key=..., tgt_key=..., tokenizer=..., "
+                        "model_max_length=...) instead of calling collate_batch on its batches")
+    if len(examples) == 0:
+        raise ValueError("examples must hold at least one pair, got an empty batch")
+    for i, example in enumerate(examples):
+        if not isinstance(example, Mapping):
+            raise TypeError(f"examples must be a list of pairs (dicts with {src_key!r} and {tgt_key!r}), "
+                            f"got examples[{i}]={example!r}")
+        for key in (src_key, tgt_key):
+            if not isinstance(example.get(key), str):
+                raise TypeError(f"examples[{i}][{key!r}] must be a string, got {example.get(key)!r}; "
+                                "drop or fix that pair (load_hf_translation refuses such rows)")

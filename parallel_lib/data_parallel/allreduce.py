@@ -112,14 +112,20 @@ class BucketedAllReduce:
             Completion means the sums are in the bucket on its device: on a CPU, when gloo
             completes the work; on a GPU, after waiting on the work and then synchronising
             the bucket's device (NCCL completes a work's future when its kernel is queued).
+        group: the process group to average over (default: every rank), e.g. the ranks that
+            hold the same pipeline stage in data parallelism over pipelines (chapter 05).
 
     Raises:
-        ValueError: ``bucket_cap_mb`` not positive or a model without trainable parameters.
+        ValueError: ``bucket_cap_mb`` not positive, a model without trainable parameters, or
+            both ``all_reduce`` and ``group`` (a custom all-reduce picks its ranks itself).
     """
 
     def __init__(self, model: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True,
                  all_reduce: Optional[AllReduceFn] = None, timeout: Optional[float] = None,
-                 recorder: Optional[TimelineRecorder] = None) -> None:
+                 recorder: Optional[TimelineRecorder] = None, group: Optional[Any] = None) -> None:
+        if all_reduce is not None and group is not None:
+            raise ValueError("give all_reduce or group, not both: a custom all_reduce sums over the ranks it "
+                             "chooses itself")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got bucket_cap_mb={bucket_cap_mb!r}")
         params = [p for p in model.parameters() if p.requires_grad][::-1]
@@ -128,6 +134,7 @@ class BucketedAllReduce:
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap = overlap
         self._all_reduce = all_reduce
+        self.group = group
         self._wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
         self.recorder = recorder
         self.steps = 0  # completed synchronize calls
@@ -172,7 +179,7 @@ class BucketedAllReduce:
         if recorder:
             bucket.start, bucket.end = recorder.now(), None
         if self._all_reduce is None:  # [2] reduce: in the background; synchronize() waits
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             if recorder and _completes_when_reduced(bucket.buffer.device):
                 # the callback runs when the all-reduce completes, not when synchronize() looks
                 def stamp(_: Any) -> None:
@@ -198,7 +205,7 @@ class BucketedAllReduce:
             RuntimeError: no initialised process group, or a bucket's all-reduce failed or timed out.
         """
         require_process_group("BucketedAllReduce")
-        world_size = dist.get_world_size()
+        world_size = dist.get_world_size(self.group)
         try:
             for i, bucket in enumerate(self.buckets):
                 if not bucket.launched:  # overlap=False, or parameters that got no gradient

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from parallel_lib.data import check_global_batch
 from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, DPResult, run_dp, summarize
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
@@ -58,6 +59,7 @@ def save_run(results: Sequence[DPResult], path: Path) -> Optional[dict[str, Any]
     if me.local_rank != 0:
         return None
     saved = saved_run(results, me.rank)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # build/rehearsal/ on a fresh clone
     torch.save(saved, path)
     return saved
 
@@ -90,6 +92,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
     warmup, save = args.pop("warmup"), args.pop("save")
     config = replace(defaults, **args, return_state=save is not None)
+    try:  # here, before any rank starts: otherwise every rank reports the same mistake after start-up
+        check_global_batch(config.batch_size, world_size or _this_rank().world_size)
+    except ValueError as error:
+        parser.error(str(error).replace("batch_size=", "--batch-size "))
     results = run(run_dp, world_size, config, **launch_kwargs)
     if save is not None:
         save_run(results, save)

@@ -26,7 +26,8 @@ from numbers import Real
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 __all__ = ["CheckResult", "Exercise", "Case", "check_function", "check_value", "require_callable", "is_stub",
-           "passed", "failed", "stub_result", "as_int", "as_number", "same_number", "show"]
+           "passed", "failed", "stub_result", "as_int", "as_number", "same_number", "close", "distinct", "show",
+           "REL_TOL"]
 
 # compares an expected value with the student's (normalised) one: None if they agree,
 # otherwise the sentence that says what differs ("tick 4: expected ..., got ...")
@@ -158,10 +159,30 @@ def as_int(value: Any) -> int:
     return value
 
 
+# Answers may be computed in float32 (a torch tensor's default dtype): its 24-bit mantissa
+# carries about 7 significant digits, and a few operations lose a few units in the last place.
+# One part in a million accepts those and still rejects every formula mistake the hints name.
+REL_TOL, ABS_TOL = 1e-6, 1e-9
+
+
+def close(expected: float, got: float) -> bool:
+    """True when ``got`` equals ``expected`` up to float32 rounding (see ``REL_TOL``)."""
+    return math.isclose(expected, got, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+
+
 def same_number(expected: float, got: float) -> Optional[str]:
-    if math.isclose(expected, got, rel_tol=1e-9, abs_tol=1e-12):
+    if close(expected, got):
         return None
-    return f"expected {show(expected)}, got {show(got)}"
+    return f"expected {', got '.join(distinct(expected, got))}"
+
+
+def distinct(expected: float, got: float) -> tuple[str, str]:
+    """Both numbers with as few digits as tell them apart (6 at least, 17 at most)."""
+    for digits in range(6, 18):
+        a, b = f"{expected:.{digits}g}", f"{got:.{digits}g}"
+        if a != b:
+            return a, b
+    return repr(expected), repr(got)
 
 
 def _equal(expected: Any, got: Any) -> Optional[str]:

@@ -14,6 +14,7 @@ from parallel_lib.exercises._core import (
     as_int,
     as_number,
     check_function,
+    close,
     same_number,
     show,
 )
@@ -75,7 +76,7 @@ def check_clock_cycles(fn: Any) -> CheckResult:
 
 def _bubble_hint(args: tuple, got: Any) -> str:
     p, m = args
-    if isinstance(got, float) and abs(got - (p - 1) / m) < 1e-9:
+    if isinstance(got, float) and close((p - 1) / m, got):
         return ("(p - 1) / m is the approximation for m >> p; the step takes m + p - 1 ticks, "
                 "of which each stage is idle for p - 1")
     return "count ticks: the step lasts m + p - 1 ticks and each stage works during m of them"

@@ -19,34 +19,38 @@ Each rank runs ``schedule.stages[j]``, the very action list that the threaded
 use; only the hand-overs are messages instead of Python objects::
 
     stage j-1 (rank a)                       stage j (rank b)
-    F(i): y = f(x); isend(y, to b)  ------>  x = recv(from a); z = g(x)        [2]
-    B(i): g = recv(from b);         <------  backward(z, grad_z); isend(x.grad, to a)
+    F(i): y = f(x); send(y, to b)   ------>  x = recv(from a); z = g(x)        [2]
+    B(i): g = recv(from b);         <------  backward(z, grad_z); send(x.grad, to a)
           backward(y, g)
 
-Sends are asynchronous and only receives wait, each with a timeout: the schedule's
-validation (every action's inputs come from actions that can run before it) is
-what rules out a deadlock. (With NCCL a send may also wait for its receive once a
-message outgrows NCCL's buffer, 4 MiB by default; the course's models stay far
-below it, and a stuck wait still ends at the timeout.) A training step on rank ``grid[d, j]``:
+Each stage runs like a stage of ``Pipe``, with the same
+:class:`~parallel_lib.pipeline_parallel.stage.StageRunner`. Between two actions it sends
+what the last one produced and receives what the next one needs in ONE
+``dist.batch_isend_irecv`` (:class:`~parallel_lib.pipeline_parallel.link.StageLink`): with
+NCCL a large send waits for its receive, and unpaired sends of two neighbours would wait
+for each other forever (:func:`~parallel_lib.pipeline_parallel.link.find_deadlock` shows
+it). No tags: messages between two ranks match in order. Every wait has a timeout and
+names what it waited for. A training step on rank ``grid[d, j]``:
 
 [1] load replica d's share of the global batch (``partition_dataset``, chapter 01)
     and all-reduce its target-token count over the stage's dp group;
 [2] run the stage's actions in schedule order;
 [3] sum the gradients of GPT-2's tied embedding between the replica's first and last
     stage (the head's copy lives there, see :mod:`parallel_lib.pipeline_parallel.gpt2`);
-[4] average the stage's gradients over its dp group;
+[4] average the stage's gradients over its dp group (chapter 01's ``BucketedAllReduce``);
 [5] take the optimizer step.
 
 One process training on the same global batches gets the same parameters:
-:func:`compare_with_reference` checks it against ``dp.single_process_reference``.
+:func:`~parallel_lib.hybrid.results.compare_with_reference` checks it against
+``dp.single_process_reference``. The grid and its groups are in :mod:`parallel_lib.hybrid.grid`,
+steps [3] and [4] in :mod:`parallel_lib.hybrid.gradients`, results in :mod:`parallel_lib.hybrid.results`.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
@@ -54,22 +58,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallel_lib.common.models import GPT2_SIZES
-from parallel_lib.common.timeline import Event, TimelineRecorder
-from parallel_lib.common.training import weighted_cross_entropy
+from parallel_lib.common.timeline import DeviceClock, TimelineRecorder, synchronize_devices
+from parallel_lib.common.training import TrainRecord, weighted_cross_entropy
 from parallel_lib.data.partition import partition_dataset
-from parallel_lib.data_parallel.allreduce import grad_or_zeros
 from parallel_lib.data_parallel.dp import DPConfig, prepare_replica
 from parallel_lib.data_parallel.ring import require_process_group
-from parallel_lib.hybrid.grid import RankGrid
+from parallel_lib.hybrid.gradients import StageGradients
+from parallel_lib.hybrid.grid import RankGrid, new_groups
+from parallel_lib.hybrid.results import HEAD_COPY, HybridResult
 from parallel_lib.model_parallel.memory import memory_report
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
+from parallel_lib.pipeline_parallel.link import Message, StageLink, exchange_plan, wait_for
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner
 from parallel_lib.runtime.device import rank_device
 
-__all__ = ["HybridConfig", "HybridResult", "run_hybrid", "run_hybrid_many", "summarize",
-           "gather_state", "compare_with_reference", "HEAD_COPY"]
-
-HEAD_COPY = "lm_head.weight"  # the last stage's copy of the tied embedding, by the unsplit model's name
+__all__ = ["HybridConfig", "run_hybrid", "run_hybrid_many"]
 
 
 @dataclass(frozen=True)
@@ -129,153 +133,80 @@ class HybridConfig:
                              f"optimizer={self.optimizer!r}, timeout={self.timeout!r}")
 
 
-@dataclass
-class HybridResult:
-    """What one rank measured; ``bytes_*`` are payload bytes per step handed to the network by this rank."""
-
-    rank: int
-    replica: int
-    stage: int
-    config: HybridConfig
-    step_times: list[float]             # seconds per step on this rank, batch loaded to optimizer step
-    tokens: list[int]                   # target tokens of the GLOBAL batch, per step
-    losses: list[float]                 # last stage: this replica's share of the global token-mean loss
-    bytes_p2p: int                      # activations and gradients sent to neighbouring stages
-    bytes_dp: int                       # gradients entering the dp group's all-reduce (0 when dp == 1)
-    bytes_tied: int                     # tied-embedding gradient exchanged between first and last stage
-    state_bytes: int                    # parameters + gradients + optimizer states held (from the tensors)
-    num_parameters: int                 # trainable values on this stage (the head's copy included)
-    peak_activations: int               # most micro-batches whose activations the stage held at once
-    state: Optional[dict[str, Tensor]] = None
-    events: list[Event] = field(default_factory=list)
-
-
-def _wait(work: Any, timeout: float, what: str) -> None:
-    """Wait for a send, receive or collective; its failure names what waited for what.
-
-    Raises:
-        TimeoutError: nothing came within ``timeout`` seconds.
-        RuntimeError: the peer failed first (gloo reports a closed connection).
-    """
-    start = time.monotonic()
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as error:
-        waited = time.monotonic() - start
-        if waited >= 0.99 * timeout:
-            raise TimeoutError(f"{what}: nothing within timeout={timeout:g} s ({error})") from error
-        raise RuntimeError(f"{what}: failed after {waited:.1f} s ({error})") from error
-
-
 class _Stage:
     """One rank's stage for one step: runs its actions, exchanging tensors with its neighbours [2]."""
 
     def __init__(self, module: nn.Module, grid: RankGrid, rank: int, hidden: int, config: HybridConfig,
-                 recorder: TimelineRecorder) -> None:
-        self.module, self.config, self.recorder, self.hidden = module, config, recorder, hidden
+                 recorder: TimelineRecorder, device: torch.device) -> None:
+        self.config, self.recorder, self.hidden = config, recorder, hidden
         self.rank, (self.d, self.j) = rank, grid.coords(rank)
         row = grid.pipeline_ranks(self.d)
-        self.prev = row[self.j - 1] if self.j > 0 else None
-        self.next = row[self.j + 1] if self.j < grid.pp - 1 else None
+        self.first, self.last = self.j == 0, self.j == grid.pp - 1
         self.lane = f"rank {rank}: replica {self.d}, stage {self.j}"
         self.who = f"rank {rank} (replica {self.d}, stage {self.j})"
+        self.runner = StageRunner(module, device, first=self.first)
+        self.link = StageLink(None if self.first else row[self.j - 1], None if self.last else row[self.j + 1],
+                              self.who, config.timeout, device)
         self.traced = False  # record events during this step
-        self.bytes_sent = 0  # per step
 
     def record(self, kind: str, micro_batch: Optional[int], label: str = "") -> Any:
         return self.recorder.record(self.lane, kind, micro_batch, label) if self.traced else nullcontext()
-
-    def _recv(self, shape: tuple[int, ...], src: int, tag: int, what: str) -> Tensor:
-        buffer = torch.empty(shape, device=rank_device())
-        _wait(dist.irecv(buffer, src=src, tag=tag), self.config.timeout,
-              f"{self.who} waiting for {what} from rank {src}")
-        return buffer
 
     def step(self, schedule: Schedule, ids: Tensor, labels: Tensor, weights: Tensor, denominator: Tensor
              ) -> tuple[float, int]:
         """Forward and backward of one replica batch; returns (loss share on the last stage, peak held)."""
         m = schedule.num_micro_batches
         ids_mb, labels_mb, weights_mb = (torch.tensor_split(t, m) for t in (ids, labels, weights))
-        saved: dict[int, tuple[Tensor, Tensor]] = {}  # i -> (stage input, stage output or loss)
-        sends: list[tuple[Any, Tensor, str]] = []  # kept until the step ends: a gloo send completes
-        loss, peak, self.bytes_sent = 0.0, 0, 0      # only once its receiver has posted the receive
-
-        def send(tensor: Tensor, dst: int, tag: int, what: str) -> None:
-            tensor = tensor.contiguous()
-            sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor, f"{what} to rank {dst}"))
-            self.bytes_sent += tensor.numel() * tensor.element_size()
-
-        for action in schedule.stages[self.j]:
-            i = action.micro_batch
-            shape = (*ids_mb[i].shape, self.hidden)  # hidden states of micro-batch i: (rows, T, C)
-            if action.kind == "F":
-                # tags: i for activations, m + i for gradients, so messages match whatever their order
-                x = ids_mb[i] if self.prev is None else self._recv(
-                    shape, self.prev, i, f"the activations of micro-batch {i}").requires_grad_()
+        shape = lambda message: (*ids_mb[message.micro_batch].shape, self.hidden)  # noqa: E731  (rows, T, C)
+        actions = schedule.stages[self.j]
+        exchanges = {e.before: e for e in exchange_plan(schedule, self.j)}  # sends of k-1 + receives of k
+        saved: dict[int, Any] = {}  # i -> what the stage's backward of micro-batch i needs
+        inbox: dict[Message, Tensor] = {}
+        outbox: dict[Message, Tensor] = {}
+        loss, peak, self.link.bytes_sent = 0.0, 0, 0
+        for k in range(len(actions) + 1):
+            if k in exchanges:  # one batch_isend_irecv, waited on with a timeout
+                e = exchanges[k]
+                received = self.link.exchange([(msg, outbox.pop(msg)) for msg in e.sends], e.recvs, shape)
+                inbox.update(zip(e.recvs, received))
+            if k == len(actions):
+                break
+            i = actions[k].micro_batch
+            if actions[k].kind == "F":
+                x = ids_mb[i] if self.first else inbox.pop(Message("activation", i))
+                lm_loss = (lambda logits, i=i: weighted_cross_entropy(logits, labels_mb[i], weights_mb[i],
+                                                                        denominator)) if self.last else None
                 with self.record("forward", i):
-                    y = self.module(x)  # (rows, T, C), or logits (rows, T, V) on the last stage
-                    if self.next is None:
-                        y = weighted_cross_entropy(y, labels_mb[i], weights_mb[i], denominator)
-                if self.next is None:
+                    saved[i], y = self.runner.forward(x, lm_loss)  # y: hidden states (rows, T, C), or the loss
+                if self.last:
                     loss += y.item()
                 else:
-                    send(y.detach(), self.next, i, f"the activations of micro-batch {i}")
-                saved[i] = (x, y)
+                    outbox[Message("activation", i)] = y
                 peak = max(peak, len(saved))
             else:
-                x, y = saved.pop(i)
-                grad = None if self.next is None else self._recv(
-                    shape, self.next, m + i, f"the output gradient of micro-batch {i}")
+                grad = None if self.last else inbox.pop(Message("gradient", i))
                 with self.record("backward", i):
-                    torch.autograd.backward(y, grad)
-                if self.prev is not None:
-                    send(x.grad, self.prev, m + i, f"the input gradient of micro-batch {i}")
-        for work, _, what in sends:
-            _wait(work, self.config.timeout, f"{self.who} sending {what}")
+                    grad_x = self.runner.backward(saved.pop(i), grad)
+                if not self.first:
+                    outbox[Message("gradient", i)] = grad_x
         return loss, peak
 
 
-def _all_reduce(tensor: Tensor, group: Any, timeout: float, what: str) -> None:
-    _wait(dist.all_reduce(tensor, group=group, async_op=True), timeout, what)
+def _stage_of_replica(config: HybridConfig, grid: RankGrid, j: int, device: torch.device
+                      ) -> tuple[nn.Module, list[nn.Parameter], dict[int, str], int, Any]:
+    """Stage j of the replica (the other stages' weights are not kept), with what training it needs.
 
-
-def _new_groups(grid: RankGrid, timeout: float) -> tuple[list[Any], list[Any]]:
-    """(dp group of every stage, tied group of every replica); every rank creates all, in one order."""
-    wait = timedelta(seconds=timeout)
-    dp_groups = [dist.new_group(grid.dp_ranks(j), timeout=wait) for j in range(grid.pp)]
-    tied_groups = [dist.new_group(grid.tied_ranks(d), timeout=wait) for d in range(grid.dp)] if grid.pp > 1 else []
-    return dp_groups, tied_groups
-
-
-class _Gradients:
-    """Steps [3] and [4]: tied-embedding sum within the replica, then the mean over the dp group."""
-
-    def __init__(self, stage: _Stage, params: list[nn.Parameter], tied: list[nn.Parameter], tied_group: Any,
-                 dp_group: Any, dp: int) -> None:
-        self.stage, self.params, self.tied, self.dp = stage, params, tied, dp
-        self.tied_group, self.dp_group = tied_group, dp_group
-        self.bytes_tied = self.bytes_dp = 0
-
-    def synchronize(self) -> None:
-        timeout, who = self.stage.config.timeout, self.stage.who
-        if len(self.tied) == 2:  # pp == 1: the embedding and the head's copy are both here
-            total = self.tied[0].grad + self.tied[1].grad
-            for p in self.tied:
-                p.grad.copy_(total)
-        elif self.tied:
-            grad = self.tied[0].grad
-            with self.stage.record("comm", None, "tied"):
-                _all_reduce(grad, self.tied_group, timeout, f"{who}: tied-embedding gradient sum")
-            self.bytes_tied = grad.numel() * grad.element_size()
-        if self.dp > 1:  # one flat message per stage and step
-            grads = [grad_or_zeros(p) for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            with self.stage.record("comm", None, "dp"):
-                _all_reduce(flat, self.dp_group, timeout, f"{who}: gradient all-reduce")
-            flat /= self.dp
-            for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(mean.view_as(g))
-            self.bytes_dp = flat.numel() * flat.element_size()
+    Returns:
+        The stage module, its copies of the tied embedding, parameter names by id (by the
+        unsplit model's names), the hidden width and the collate function and pairs.
+    """
+    model, _, pairs, collate = prepare_replica(config.dp_config(), device)
+    names = {id(p): name for name, p in model.named_parameters()}
+    stages = gpt2_stages(model, [device] * grid.pp)
+    module = stages[j].to(device)
+    mine = {id(p) for p in module.parameters()}
+    tied = [p for pair in stages.tied_parameters for p in pair if id(p) in mine]
+    return module, tied, names, model.config.n_embd, (pairs, collate)
 
 
 def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()) -> HybridResult:
@@ -299,47 +230,46 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
     config.check(world_size)
     grid = RankGrid(config.dp, config.pp)
     d, j = grid.coords(rank)
-    dp_groups, tied_groups = _new_groups(grid, config.timeout)
+    dp_groups, tied_groups = new_groups(grid, config.timeout)
     try:
         device = rank_device()
-        model, optimizer, pairs, collate = prepare_replica(config.dp_config(), device)
-        names = {id(p): name for name, p in model.named_parameters()}
-        stages = gpt2_stages(model, [device] * grid.pp)
-        module = stages[j].to(device)
+        module, tied, names, hidden, (pairs, collate) = _stage_of_replica(config, grid, j, device)
         params = list(module.parameters())
-        tied = [p for pair in stages.tied_parameters for p in pair if any(p is q for q in params)]
-        optimizer = type(optimizer)(params, lr=config.lr)  # chapter 01's optimizer, on this stage only
-        recorder = TimelineRecorder(torch.cuda.synchronize if device.type == "cuda" else None)
-        stage = _Stage(module, grid, rank, model.config.n_embd, config, recorder)
-        del model, stages  # the other stages' weights are not this rank's to hold
-        gradients = _Gradients(stage, params, tied, tied_groups[d] if tied_groups else None, dp_groups[j], grid.dp)
+        optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
+        clock = DeviceClock([device])  # this rank's device only
+        recorder = TimelineRecorder(partial(synchronize_devices, [device]) if device.type == "cuda" else None)
+        stage = _Stage(module, grid, rank, hidden, config, recorder, device)
+        gradients = StageGradients(module, tied, tied_groups[d] if len(tied) == 1 else None, dp_groups[j], grid.dp,
+                                   stage.who, config.timeout, stage.record)
+        # NCCL: the first p2p call in a group must involve every rank of it; a barrier sets the
+        # communicator up first (cheap on gloo)
+        wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: start-up barrier")
         schedule = make_schedule(config.schedule, grid.pp, config.micro_batches)
         batches = iter(partition_dataset(d, grid.dp, pairs, batch_size=config.batch_size, collate_fn=collate,
                                          seed=config.data_seed))
-        times, tokens, losses, peak = [], [], [], 0
+        record, peak = TrainRecord(), 0
         for step in range(config.steps):
             batch = next(batches)  # [1] the same replica batch on every stage of replica d
             stage.traced = step == config.timeline_step
-            if stage.traced:
-                dist.barrier()  # every rank's clock starts at (nearly) the same moment
+            if stage.traced:  # every rank's clock starts at (nearly) the same moment
+                wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: barrier before step {step}")
                 recorder.reset()
-            start = time.perf_counter()
+            start = clock()
             count = batch["label_token_weights"].sum().to(torch.float64)
-            _all_reduce(count, dp_groups[j], config.timeout, f"{stage.who}: token count of step {step}")
+            wait_for(dist.all_reduce(count, group=dp_groups[j], async_op=True), config.timeout,
+                     f"{stage.who}: token count of step {step}")
             optimizer.zero_grad(set_to_none=True)
             # [2] the global token count / dp: the dp group's mean gradient is the global token mean's
             loss, held = stage.step(schedule, batch["input_ids"], batch["labels"], batch["label_token_weights"],
                                     count / grid.dp)
             gradients.synchronize()  # [3] and [4]
             optimizer.step()  # [5]
-            times.append(time.perf_counter() - start)
-            tokens.append(int(count.item()))
-            losses.append(loss)
+            record.append(loss if stage.last else float("nan"), int(count.item()), clock() - start)
             peak = max(peak, held)
         state = ({names.get(id(p), HEAD_COPY): p.detach().cpu().clone() for p in params}
                  if config.return_state else None)
-        return HybridResult(rank, d, j, config, times, tokens, losses if stage.next is None else [],
-                            stage.bytes_sent, gradients.bytes_dp, gradients.bytes_tied,
+        return HybridResult(rank, d, j, config, record, stage.link.bytes_sent, gradients.bytes_dp,
+                            gradients.bytes_tied,
                             sum(row.total for row in memory_report(module, optimizer).values()),
                             sum(p.numel() for p in params), peak, state, list(recorder.events))
     finally:  # a later run in the same ranks makes new groups
@@ -350,60 +280,3 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
 def run_hybrid_many(rank: int, world_size: int, configs: Sequence[HybridConfig]) -> list[HybridResult]:
     """:func:`run_hybrid` for each config in turn, in one launch (starting ranks costs seconds)."""
     return [run_hybrid(rank, world_size, config) for config in configs]
-
-
-def summarize(results: Sequence[HybridResult], warmup: int = 1) -> dict[str, Any]:
-    """The job's numbers from every rank's result: a step lasts as long as its slowest rank.
-
-    Args:
-        results: one :class:`HybridResult` per rank, in rank order (``launch``'s return value).
-        warmup: first steps left out of the throughput.
-    """
-    config = results[0].config
-    step_times = [max(r.step_times[k] for r in results) for k in range(config.steps)]
-    tokens = results[0].tokens
-    seconds = sum(step_times[warmup:])
-    last = [r for r in results if r.stage == config.pp - 1]
-    return dict(layout=f"{config.dp} x {config.pp}", dp=config.dp, pp=config.pp, schedule=config.schedule,
-                micro_batches=config.micro_batches, ranks=len(results), step_times=step_times,
-                tokens_per_sec=sum(tokens[warmup:]) / seconds if seconds > 0 else float("nan"),
-                losses=[sum(r.losses[k] for r in last) / config.dp for k in range(config.steps)],
-                bytes_p2p=max(r.bytes_p2p for r in results), bytes_dp=max(r.bytes_dp for r in results),
-                bytes_tied=max(r.bytes_tied for r in results), state_bytes=max(r.state_bytes for r in results),
-                peak_activations=max(r.peak_activations for r in results))
-
-
-def gather_state(results: Sequence[HybridResult], replica: int = 0) -> dict[str, Tensor]:
-    """The parameters of one replica, stage by stage, by the unsplit model's names.
-
-    Raises:
-        ValueError: the runs did not return their state (``return_state=False``).
-    """
-    state: dict[str, Tensor] = {}
-    for r in results:
-        if r.replica == replica:
-            if r.state is None:
-                raise ValueError("results hold no parameters: run with HybridConfig(return_state=True)")
-            state.update(r.state)
-    return state
-
-
-def compare_with_reference(results: Sequence[HybridResult], reference: dict[str, Tensor]) -> dict[str, float]:
-    """Largest absolute difference per parameter between every replica and a reference ``state_dict``.
-
-    The head's copy (``HEAD_COPY``) is compared with the reference's ``lm_head.weight``,
-    which in the tied reference is the embedding itself.
-
-    Raises:
-        ValueError: a replica misses one of the reference's parameters, or results hold no state.
-    """
-    differences: dict[str, float] = {}
-    for d in sorted({r.replica for r in results}):
-        state = gather_state(results, d)
-        for name, tensor in state.items():
-            diff = (tensor - reference[name].cpu()).abs().max().item()
-            differences[name] = max(differences.get(name, 0.0), diff)
-    missing = [name for name in reference if name not in differences]
-    if missing:
-        raise ValueError(f"no stage holds the reference's parameters {missing}")
-    return differences

@@ -8,13 +8,16 @@ data-parallel group of stage j.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from parallel_lib.common.checks import positive_int
 
-__all__ = ["RankGrid"]
+__all__ = ["RankGrid", "new_groups"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,15 @@ class RankGrid:
         head = "           " + "".join(f"stage {j:<3}" for j in range(self.pp))
         rows = [f"replica {d:<3}" + "".join(f"rank {r:<4}" for r in self.pipeline_ranks(d)) for d in range(self.dp)]
         return "\n".join([head, *rows])
+
+
+def new_groups(grid: RankGrid, timeout: float) -> tuple[list[Any], list[Any]]:
+    """(dp group of every stage, tied group of every replica); every rank creates all, in one order.
+
+    ``dist.new_group`` is collective: every rank must call it for every group, in the same
+    order, even for groups it is not in.
+    """
+    wait = timedelta(seconds=timeout)
+    dp_groups = [dist.new_group(grid.dp_ranks(j), timeout=wait) for j in range(grid.pp)]
+    tied_groups = [dist.new_group(grid.tied_ranks(d), timeout=wait) for d in range(grid.dp)] if grid.pp > 1 else []
+    return dp_groups, tied_groups

@@ -29,6 +29,14 @@ from parallel_lib.model_parallel.memory import (
     model_memory,
     training_memory,
 )
+from parallel_lib.model_parallel.layer_memory import (
+    DECODER_SHAPES,
+    DecoderShape,
+    device_bytes,
+    kv_cache_bytes_per_token,
+    layer_parameters,
+    pack_layers,
+)
 from parallel_lib.model_parallel.placing import (
     FIRST,
     LAST,
@@ -43,6 +51,12 @@ from parallel_lib.model_parallel.placing import (
 from parallel_lib.model_parallel.timeline import measure_step_timeline, record_timeline
 
 __all__ = [
+    "DECODER_SHAPES",
+    "DecoderShape",
+    "device_bytes",
+    "kv_cache_bytes_per_token",
+    "layer_parameters",
+    "pack_layers",
     "balance_by_params",
     "balance_by_time",
     "DeviceKey",

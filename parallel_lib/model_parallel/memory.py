@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.model_parallel.placing import placement
 from parallel_lib.runtime.device import DeviceKey, resolve_device
 
@@ -35,6 +36,7 @@ __all__ = [
     "format_memory_report",
     "model_memory",
     "memory_verdict",
+    "check_device_bytes",
     "GiB",
 ]
 
@@ -81,14 +83,35 @@ class TrainingMemory:
         return self.weights + self.gradients + self.master_weights + self.optimizer_states + self.activations
 
     def per_device(self, n_devices: int) -> float:
-        """Bytes on each of ``n_devices`` when the layers are split evenly (model parallel)."""
-        if n_devices < 1:
-            raise ValueError(f"n_devices must be >= 1, got n_devices={n_devices!r}")
-        return self.total / n_devices
+        """Bytes on each of ``n_devices`` when the layers are split evenly (model parallel).
+
+        Raises:
+            ValueError: ``n_devices`` is not an int >= 1 (2.5 devices do not exist).
+        """
+        return self.total / positive_int("n_devices", n_devices)
 
     def min_devices(self, device_bytes: float) -> int:
-        """Fewest devices of ``device_bytes`` each that hold it under an even split."""
-        return max(1, math.ceil(self.total / device_bytes))
+        """Fewest devices of ``device_bytes`` each that hold it under an even split.
+
+        Raises:
+            ValueError: ``device_bytes`` not a finite number >= 1 MiB (zero, negative, or GiB
+                passed where bytes are expected).
+        """
+        return max(1, math.ceil(self.total / check_device_bytes(device_bytes)))
+
+
+def check_device_bytes(device_bytes: float, name: str = "device_bytes") -> float:
+    """``device_bytes`` as a float, if it is a plausible device memory in bytes (at least 1 MiB).
+
+    No accelerator has less than a mebibyte, so a smaller number is nearly always GiB
+    given where bytes are expected (``80`` for an 80 GiB GPU); it is an error rather
+    than a verdict that nothing fits.
+    """
+    value = positive_number(name, device_bytes)
+    if value < 2 ** 20:
+        raise ValueError(f"{name} is in bytes and must be at least 1 MiB, got {name}={device_bytes!r}; "
+                         f"for {device_bytes!r} GiB pass {device_bytes!r} * GiB (= {value * GiB:.0f})")
+    return value
 
 
 def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str] = "adamw",
@@ -236,7 +259,12 @@ def model_memory(name: str, dtype: str = "fp16", optimizer: Optional[str] = "ada
 
 
 def memory_verdict(estimate: TrainingMemory, n_devices: int, device_bytes: float) -> str:
-    """One sentence: per-device need on ``n_devices`` devices of ``device_bytes``, and whether it fits."""
+    """One sentence: per-device need on ``n_devices`` devices of ``device_bytes``, and whether it fits.
+
+    Raises:
+        ValueError: ``n_devices`` not an int >= 1, or ``device_bytes`` not a plausible
+            number of bytes (see :func:`check_device_bytes`).
+    """
     per_device = estimate.per_device(n_devices)
     needed = estimate.min_devices(device_bytes)
     fits = "fits" if per_device <= device_bytes else f"does NOT fit (needs at least {needed})"

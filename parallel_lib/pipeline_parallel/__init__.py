@@ -6,7 +6,9 @@ cut into stages.
 from parallel_lib.pipeline_parallel.gpt2 import GPT2Blocks, GPT2Embedding, GPT2Head, GPT2Stages, gpt2_stages, lm_loss
 from parallel_lib.pipeline_parallel.microbatch import (
     Target,
+    check_layers,
     check_split,
+    gather,
     loss_weights,
     scatter,
     split_layers,
@@ -22,14 +24,14 @@ from parallel_lib.pipeline_parallel.schedule import (
     bubble_fraction,
     clock_cycles,
     gpipe,
-    in_flight,
     make_schedule,
     one_f_one_b,
     simulate,
-    stage_costs_from_events,
     stage_lane,
     validate_schedule,
 )
+from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
+from parallel_lib.pipeline_parallel.timeline_stats import in_flight, stage_costs_from_events
 from parallel_lib.pipeline_parallel.worker import THREAD_PREFIX, Task, Workers
 
 __all__ = [
@@ -42,6 +44,10 @@ __all__ = [
     "Target",
     "split_layers",
     "scatter",
+    "gather",
+    "check_layers",
+    "StageRunner",
+    "TensorOrTensors",
     "check_split",
     "split_like",
     "loss_weights",

@@ -106,7 +106,8 @@ def gpt2_stages(model: GPT2LMHeadModel, devices: Union[Sequence[DeviceKey], Devi
     Args:
         model: a ``GPT2LMHeadModel`` (e.g. from :func:`parallel_lib.common.models.build_gpt2`).
         devices: one device key per stage, blocks balanced as by
-            :func:`~parallel_lib.model_parallel.device_map.get_device_map`, or a device map ``{device: [block indices]}``.
+            :func:`~parallel_lib.model_parallel.device_map.get_device_map`, or a device map
+            ``{device: [block indices]}``.
 
     Returns:
         ``GPT2Stages``: stage 0 = embeddings + its blocks, last = its blocks + ln_f + head.

@@ -12,15 +12,42 @@ from __future__ import annotations
 from typing import Literal, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from parallel_lib.common.checks import positive_int
 from parallel_lib.model_parallel.device_map import DeviceMap, get_device_map, validate_device_map
+from parallel_lib.pipeline_parallel.stage import TensorOrTensors
 from parallel_lib.runtime.device import DeviceKey
 
-__all__ = ["Target", "split_layers", "scatter", "check_split", "split_like", "loss_weights"]
+__all__ = ["Target", "check_layers", "split_layers", "scatter", "gather", "check_split", "split_like", "loss_weights"]
 
 Target = Union[Tensor, Sequence[Tensor]]
+
+
+def check_layers(module: nn.Sequential) -> None:
+    """Refuse a module that holds a layer, or a parameter, twice.
+
+    Stages are cut between layers: a layer in two places would be two stages' at once
+    (on two devices, updated by two threads), and a shared parameter would get part of
+    its gradient on each stage with nobody summing them. For weights that are one in the
+    model but live on two stages, give each stage its own copy and name the pair in
+    ``tied_parameters`` (see :func:`~parallel_lib.pipeline_parallel.gpt2.gpt2_stages`).
+
+    Raises:
+        ValueError: naming both places.
+    """
+    first_place: dict[int, str] = {}
+    for name, layer in module._modules.items():  # named_children() would skip the repeat
+        if id(layer) in first_place:
+            raise ValueError(f"module holds the same layer twice (layers {first_place[id(layer)]} and {name}); "
+                             "a pipeline stage needs layers of its own: use a copy")
+        first_place[id(layer)] = name
+    first_place = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first_place:
+            raise ValueError(f"module holds the same parameter twice ({first_place[id(param)]} and {name}); give "
+                             "each stage its own copy and pass the pair in tied_parameters")
+        first_place[id(param)] = name
 
 
 def split_layers(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap],
@@ -37,9 +64,13 @@ def split_layers(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap],
         what: the name of the layers in error messages ("layers", "blocks").
 
     Raises:
+        TypeError: ``devices`` is a single key (an int, a string) instead of a list or a map.
         ValueError: no devices, more stages than layers, a map that does not list the
             layers once each in order, or a stage without layers.
     """
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, (dict, Sequence)):
+        raise TypeError(f"devices must be a list of device keys (one per stage, e.g. [0, 1] or ['cpu', 'cpu']) "
+                        f"or a device map {{device: [layer indices]}}, got devices={devices!r}")
     if isinstance(devices, dict):
         validate_device_map(devices, n_layers)
         keys, layers = list(devices), [list(v) for v in devices.values()]
@@ -58,32 +89,49 @@ def split_layers(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap],
     return keys, layers
 
 
-def scatter(batch: Tensor, chunks: Optional[int] = None, split_size: Optional[int] = None) -> list[Tensor]:
-    """Split ``batch`` along dim 0 into micro-batches.
+def scatter(batch: TensorOrTensors, chunks: Optional[int] = None,
+            split_size: Optional[int] = None) -> list[TensorOrTensors]:
+    """Split ``batch`` (a tensor or a tuple of tensors with the same rows) along dim 0 into micro-batches.
 
     Args:
         batch: the input, at least one dimension.
-        chunks: number of micro-batches; sizes differ by at most one, larger ones first.
+        chunks: number of micro-batches; sizes differ by at most one, larger ones first. A
+            batch with fewer rows (the last, short batch of an epoch) gets one micro-batch
+            per row, as in torchgpipe.
         split_size: rows per micro-batch instead (the last one may be smaller).
 
     Returns:
-        The micro-batches, views of ``batch``.
+        The micro-batches, views of ``batch`` (tuples for a tuple).
 
     Raises:
-        TypeError: ``batch`` is not a tensor.
-        ValueError: both or neither of ``chunks``/``split_size``, a value below 1, or a
-            batch with fewer rows than ``chunks``.
+        TypeError: ``batch`` is not a tensor or a tuple of tensors with a batch dimension.
+        ValueError: both or neither of ``chunks``/``split_size``, a value below 1, an empty
+            batch, or tensors of a tuple with different numbers of rows.
     """
-    if not isinstance(batch, Tensor) or batch.dim() == 0:
-        raise TypeError(f"batch must be a tensor with a batch dimension, got {type(batch).__name__}")
+    tensors = batch if isinstance(batch, tuple) else (batch,)
+    if not tensors or not all(isinstance(t, Tensor) and t.dim() > 0 for t in tensors):
+        raise TypeError(f"batch must be a tensor, or a tuple of tensors, with a batch dimension, got "
+                        f"{type(batch).__name__}")
     check_split(chunks, split_size)
-    rows = batch.size(0)
+    rows = {t.size(0) for t in tensors}
+    if len(rows) > 1 or 0 in rows:
+        raise ValueError(f"batch must hold at least one row, the same number in every tensor, got rows "
+                         f"{[t.size(0) for t in tensors]}")
     if split_size is not None:
-        return list(torch.split(batch, split_size))
-    if rows < chunks:
-        raise ValueError(f"a batch of {rows} rows cannot be split into chunks={chunks} micro-batches; "
-                         "use a larger batch or fewer chunks")
-    return list(torch.tensor_split(batch, chunks))
+        parts = [torch.split(t, split_size) for t in tensors]
+    else:
+        n = min(chunks, rows.pop())  # type: ignore[type-var]
+        parts = [torch.tensor_split(t, n) for t in tensors]
+    if isinstance(batch, Tensor):
+        return list(parts[0])
+    return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
+
+
+def gather(outputs: Sequence[TensorOrTensors]) -> TensorOrTensors:
+    """Concatenate the micro-batches' outputs along dim 0 (position by position for tuples)."""
+    if isinstance(outputs[0], Tensor):
+        return torch.cat(list(outputs))  # type: ignore[arg-type]
+    return tuple(torch.cat([out[k] for out in outputs]) for k in range(len(outputs[0])))  # type: ignore[index]
 
 
 def check_split(chunks: Optional[int], split_size: Optional[int]) -> None:

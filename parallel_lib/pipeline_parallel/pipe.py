@@ -6,49 +6,57 @@ schedule's order, each as soon as its input exists (the previous stage's forward
 output, the next stage's input gradient). There is no per-tick barrier, so a slow
 backward on one stage does not hold every other stage back.
 
-Backward is pipelined too. For CPU tensors PyTorch's autograd runs the whole
-backward pass on the thread that calls it, so one ``loss.backward()`` over all
-stages would run them one after another. Instead stages are cut apart in the
-autograd graph: stage j receives its input detached, with ``requires_grad``, and
-keeps its input and output. Its backward for micro-batch i is then a task of its
-own, ``torch.autograd.backward(output, grad_of_output)``, which leaves the input's
-gradient in ``input.grad`` for stage j-1. Stages' backwards overlap like their
-forwards, on CPU as on GPUs::
+Backward is pipelined too: every stage is cut out of the autograd graph at its input
+by a :class:`~parallel_lib.pipeline_parallel.stage.StageRunner` (the one the ranks of
+chapter 05 use), so stage j's backward for micro-batch i is a task of its own and
+stages' backwards overlap like their forwards, on CPU as on GPUs::
 
     stage j-1                      stage j
     y = f(x) --- y.detach() ---->  x' (requires_grad) -> z = g(x')
     backward(y, x'.grad) <--- x'.grad ---- backward(z, grad_z)
+
+A failed call (a stage raised, a timeout, a ``KeyboardInterrupt`` in the caller) drops the
+work still queued. After an interrupt it waits for the tasks already running (up to
+``timeout``); a task still running after that, or after a timeout, is a leftover thread,
+and the Pipe refuses to run until it has ended (it may still write gradients). ``.grad``
+then holds part of the failed step's gradients: zero them before the next step.
 """
 
 from __future__ import annotations
 
 import weakref
-from functools import partial
+from collections import OrderedDict
 from queue import Empty
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from parallel_lib.common.checks import check_choice, positive_int, positive_number
-from parallel_lib.common.timeline import TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.model_parallel.device_map import DeviceMap
 from parallel_lib.pipeline_parallel.microbatch import (
     Target,
+    check_layers,
     check_split,
+    gather,
     loss_weights,
     scatter,
     split_layers,
     split_like,
 )
+from parallel_lib.pipeline_parallel.run import LossFn, PipelineRun
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, action_ready, make_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.worker import Task, Workers
 from parallel_lib.runtime.device import DeviceKey, resolve_device
 
 __all__ = ["Pipe", "StageError"]
 
-LossFn = Callable[..., Tensor]
+_Run = PipelineRun  # the name chapter 04's notebook prints
 TiedPair = tuple[nn.Parameter, nn.Parameter]
+_MOVING_DENIED = ("a Pipe places its stages itself and moving it would leave its devices inconsistent: "
+                  "choose the devices when making it, e.g. Pipe(module, devices=[0, 1])")
 
 
 class StageError(RuntimeError):
@@ -61,77 +69,10 @@ class StageError(RuntimeError):
 
     def __init__(self, stage: int, action: Action, error: BaseException) -> None:
         super().__init__(f"stage {stage} failed in {action} (micro-batch {action.micro_batch}): "
-                         f"{type(error).__name__}: {error}")
+                         f"{type(error).__name__}: {error} (the step's gradients are partial: zero them "
+                         f"before the next step)")
         self.stage = stage
         self.action = action
-
-
-class _Run:
-    """One pass over the micro-batches: what stages hand each other and keep for backward."""
-
-    def __init__(self, pipe: Pipe, inputs: list[Tensor], train: bool, loss_fn: Optional[LossFn] = None,
-                 targets: Optional[list[Target]] = None, weights: Optional[list[float]] = None) -> None:
-        self.partitions, self.devices = pipe.partitions, pipe.devices
-        self.last = len(self.devices) - 1
-        self.inputs, self.train, self.loss_fn = inputs, train, loss_fn
-        self.targets, self.weights = targets, weights
-        self.activations: dict[tuple[int, int], Tensor] = {}  # (j, i): stage j's output for i
-        self.input_grads: dict[tuple[int, int], Tensor] = {}  # (j, i): gradient of stage j's input
-        self.saved: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (j, i): (input, output or loss)
-        self.outputs: dict[int, Tensor] = {}  # i: last stage's output (forward pass)
-        self.losses: dict[int, Tensor] = {}  # i: weighted loss of micro-batch i
-        self.live = [0] * len(self.devices)  # micro-batches whose activations a stage holds now
-        self.peak = [0] * len(self.devices)
-
-    def compute(self, j: int, action: Action) -> Callable[[], Any]:
-        """The closure a worker runs for ``action`` on stage j (inputs taken out of the run)."""
-        i = action.micro_batch
-        partition, device = self.partitions[j], self.devices[j]
-        if action.kind == "B":
-            x, y = self.saved.pop((j, i))
-            grad_y = None if j == self.last else self.input_grads.pop((j + 1, i))
-
-            def backward() -> Optional[Tensor]:
-                if y.requires_grad:  # a parameter-free first stage has nothing to differentiate
-                    torch.autograd.backward(y, None if grad_y is None else grad_y.to(y.device))
-                return x.grad if j > 0 else None
-            return backward
-
-        x_from = self.inputs[i] if j == 0 else self.activations.pop((j - 1, i))
-
-        def forward() -> Any:
-            x = x_from.to(device)  # the hand-over between devices happens on the receiving stage
-            if not self.train:
-                return partition(x)
-            if j > 0:  # cut the graph here so this stage's backward is a task of its own
-                x = x.detach().requires_grad_(x.is_floating_point())
-            y = partition(x)
-            if j < self.last:
-                return (x, y), y.detach()
-            target = self.targets[i]  # type: ignore[index]
-            targets = [target] if isinstance(target, Tensor) else list(target)
-            loss = self.loss_fn(y, *(t.to(device) for t in targets)) * self.weights[i]  # type: ignore[misc,index]
-            return (x, loss), loss.detach()
-        return forward
-
-    def finish(self, j: int, action: Action, result: Any) -> None:
-        """Store what ``action`` on stage j produced where the next actions will look for it."""
-        i = action.micro_batch
-        if action.kind == "B":
-            self.live[j] -= 1
-            if j > 0:
-                self.input_grads[(j, i)] = result
-            return
-        if self.train:
-            self.saved[(j, i)], result = result
-            self.live[j] += 1
-            self.peak[j] = max(self.peak[j], self.live[j])
-        if j < self.last:
-            self.activations[(j, i)] = result
-        elif self.train:
-            self.losses[i] = result
-        else:
-            self.outputs[i] = result
 
 
 class Pipe(nn.Module):
@@ -144,7 +85,10 @@ class Pipe(nn.Module):
     works, unpipelined). :meth:`train_step` runs forward and a pipelined backward.
 
     Args:
-        module: the layers, in order; each takes and returns one tensor.
+        module: the layers, in order; each takes and returns a tensor or a tuple of tensors
+            (the batch may be a tuple too, e.g. hidden states and a mask). No layer or
+            parameter may appear twice. The Pipe registers the layers under their names in
+            ``module``, so its ``state_dict`` loads into the plain model and back.
         devices: one device key per stage, layers balanced as by
             :func:`~parallel_lib.model_parallel.device_map.get_device_map` (``[0, 1]``: GPUs 0 and 1, or the
             CPU on a machine without GPUs, see :func:`~parallel_lib.model_parallel.device_map.resolve_device`;
@@ -161,10 +105,11 @@ class Pipe(nn.Module):
             all-reduces embedding gradients. Default: ``module.tied_parameters`` if present.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or a device key of the wrong type.
-        ValueError: no devices, more stages than layers, a device map that does not cover
-            the layers in order or leaves a stage empty, ``chunks``/``split_size`` below 1 or both
-            given, an unknown schedule, ``num_threads`` or ``timeout`` not positive.
+        TypeError: ``module`` is not an ``nn.Sequential``, ``devices`` a single key instead of a
+            list, or a device key of the wrong type.
+        ValueError: a layer or parameter held twice, no devices, more stages than layers, a device
+            map that does not cover the layers in order or leaves a stage empty, ``chunks``/``split_size``
+            below 1 or both given, an unknown schedule, ``num_threads`` or ``timeout`` not positive.
     """
 
     def __init__(self, module: nn.Sequential, devices: Union[Sequence[DeviceKey], DeviceMap],
@@ -174,6 +119,7 @@ class Pipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+        check_layers(module)
         keys, self.stage_layers = split_layers(len(module), devices, "layers")
         if chunks is None and split_size is None:
             chunks = 1
@@ -183,19 +129,45 @@ class Pipe(nn.Module):
         positive_number("timeout", timeout, hint="seconds")
 
         self.devices = [resolve_device(key) for key in keys]
-        self.partitions = nn.ModuleList(nn.Sequential(*(module[k] for k in layers)).to(device)
-                                        for layers, device in zip(self.stage_layers, self.devices))
+        names = list(module._modules)
+        # a plain list, not a ModuleList: the layers are registered once, below, under their own names
+        self.partitions = [nn.Sequential(OrderedDict((names[k], module[k].to(device)) for k in layers))
+                           for layers, device in zip(self.stage_layers, self.devices)]
+        self.runners = [StageRunner(part, device, first=j == 0)
+                        for j, (part, device) in enumerate(zip(self.partitions, self.devices))]
         self.chunks, self.split_size, self.schedule = chunks, split_size, schedule
         self.timeout = float(timeout)
         self.tied_parameters = list(tied_parameters if tied_parameters is not None
                                     else getattr(module, "tied_parameters", ()))
-        cuda = any(d.type == "cuda" for d in self.devices)
-        sync = partial(synchronize_devices, self.devices) if cuda else None  # every stage's GPU, not the current one
-        self.timeline = TimelineRecorder(synchronize=sync)  # events of the last call
+        # no recorder-wide device sync: each task waits for its own stage's device (worker.Task)
+        self.timeline = TimelineRecorder()  # events of the last call
         self.peak_activations: list[int] = []  # per stage, in the last train_step
         self._workers = Workers(self.devices, num_threads)
         # stop the threads when the Pipe is garbage-collected or the interpreter exits
         self._finalizer = weakref.finalize(self, self._workers.close)
+        for name in names:  # state_dict keys are the plain model's, so a trained Pipe loads back into it
+            if hasattr(self, name):
+                raise ValueError(f"module's layer {name!r} has the name of a Pipe attribute; rename it")
+            self.add_module(name, module._modules[name])
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipe:
+        """Only a dtype change (``pipe.to(torch.float64)``): the Pipe owns its stages' devices.
+
+        Raises:
+            TypeError: a device (or a tensor, whose device it would take) is given.
+        """
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            raise TypeError(_MOVING_DENIED)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Pipe:
+        """Refused: the Pipe owns its stages' devices (``TypeError``)."""
+        raise TypeError(_MOVING_DENIED)
+
+    def cpu(self) -> Pipe:
+        """Refused: the Pipe owns its stages' devices (``TypeError``)."""
+        raise TypeError(_MOVING_DENIED)
 
     @property
     def num_stages(self) -> int:
@@ -215,28 +187,30 @@ class Pipe(nn.Module):
         """The schedule this pipe runs for a given number of micro-batches."""
         return make_schedule(self.schedule, self.num_stages, num_micro_batches)
 
-    def forward(self, batch: Tensor) -> Tensor:
+    def forward(self, batch: TensorOrTensors) -> TensorOrTensors:
         """Run the micro-batches of ``batch`` through the stages; outputs concatenated on the last device."""
         inputs = scatter(batch, self.chunks, self.split_size)
-        run = _Run(self, inputs, train=False)
+        run = PipelineRun(self.runners, inputs, train=False)
         self._execute(run, self.make_schedule(len(inputs)).forward_only(), torch.is_grad_enabled())
-        return torch.cat([run.outputs[i] for i in range(len(inputs))])
+        return gather([run.outputs[i] for i in range(len(inputs))])
 
-    def train_step(self, batch: Tensor, target: Target, loss_fn: LossFn,
+    def train_step(self, batch: TensorOrTensors, target: Target, loss_fn: LossFn,
                    reduction: Literal["mean", "sum"] = "mean") -> Tensor:
         """Forward and pipelined backward of one batch; gradients accumulate in ``.grad``.
 
         The result equals ``loss_fn(module(batch), target)`` followed by ``.backward()``
         on the unsplit module: each micro-batch's loss is weighted by its share of the
-        rows (``reduction="mean"``, for a ``loss_fn`` that averages over rows, or over
-        tokens when every row has the same number) or by 1 (``reduction="sum"``).
+        rows (``reduction="mean"``, for a ``loss_fn`` that averages over rows) or by 1
+        (``reduction="sum"``, for a ``loss_fn`` that sums, or that divides by a whole-batch
+        total such as the batch's number of target tokens).
 
         Args:
-            batch: the input of the first stage, split along dim 0.
+            batch: the input of the first stage (a tensor or tuple of tensors), split along dim 0;
+                a batch with fewer rows than ``chunks`` runs with one micro-batch per row.
             target: a tensor, or tuple of tensors, with the batch's rows; split alike.
             loss_fn: ``loss_fn(last_stage_output, *target_micro_batch) -> scalar``, e.g.
                 ``mse_loss`` for one target tensor, or ``partial(weighted_cross_entropy,
-                denominator=total_weight)`` for ``target=(labels, weights)``.
+                denominator=total_weight)`` with ``reduction="sum"`` for ``target=(labels, weights)``.
             reduction: how ``loss_fn`` reduces over rows.
 
         Returns:
@@ -245,11 +219,19 @@ class Pipe(nn.Module):
         Raises:
             StageError: a stage raised (the original exception and traceback are its cause).
             TimeoutError: no stage finished a task within ``timeout`` seconds.
-            ValueError: a batch with fewer rows than ``chunks``, or a target whose rows differ.
+            RuntimeError: a stage thread of an earlier, failed call is still running.
+            ValueError: a target whose rows differ, or ``reduction="mean"`` with a tuple target.
         """
+        if reduction == "mean" and not isinstance(target, Tensor):
+            # a token mean is not a row mean when rows hold different numbers of tokens
+            # (weights of (labels, weights)): row-share weighting would be off, silently
+            raise ValueError('reduction="mean" with a tuple target: a Pipe weights each micro-batch\'s loss by '
+                             "its share of the rows, which is wrong for a loss averaged over weighted tokens; "
+                             "divide by the whole batch's total in loss_fn, e.g. functools.partial("
+                             "weighted_cross_entropy, denominator=weights.sum()), and pass reduction=\"sum\"")
         inputs = scatter(batch, self.chunks, self.split_size)
-        sizes = [x.size(0) for x in inputs]
-        run = _Run(self, inputs, train=True, loss_fn=loss_fn, targets=split_like(target, sizes),
+        sizes = [(x if isinstance(x, Tensor) else x[0]).size(0) for x in inputs]
+        run = PipelineRun(self.runners, inputs, train=True, loss_fn=loss_fn, targets=split_like(target, sizes),
                    weights=loss_weights(sizes, reduction))
         before = [(a.grad.clone() if a.grad is not None else None) for a, _ in self.tied_parameters]
         self._execute(run, self.make_schedule(len(inputs)), True)
@@ -269,10 +251,10 @@ class Pipe(nn.Module):
             a.grad += gained_b.to(a.device)
             b.grad += gained_a.to(b.device)
 
-    def _execute(self, run: _Run, schedule: Schedule, grad_mode: bool) -> None:
+    def _execute(self, run: PipelineRun, schedule: Schedule, grad_mode: bool) -> None:
         """Submit every stage's actions in schedule order as their inputs arrive; collect results."""
         self.timeline.reset()
-        self._workers.start()
+        self._workers.start()  # refuses while a task of a failed call still runs
         p = schedule.num_stages
         position = [0] * p
         done: set[tuple[str, int, int]] = set()
@@ -285,7 +267,8 @@ class Pipe(nn.Module):
                     while position[j] < len(actions) and action_ready(schedule, j, actions[position[j]], done):
                         action = actions[position[j]]
                         position[j] += 1
-                        self._workers.submit(Task(j, action, run.compute(j, action), grad_mode, self.timeline))
+                        self._workers.submit(Task(j, action, run.compute(j, action), grad_mode, self.timeline,
+                                                  self.devices[j]))
                         in_flight[j].append(action)
                 if not any(in_flight.values()):
                     break
@@ -296,13 +279,16 @@ class Pipe(nn.Module):
                     raise TimeoutError(f"no stage finished a task within timeout={self.timeout:g} s; "
                                        f"running or queued: {waiting}") from None
                 in_flight[task.stage].remove(task.action)
-                if not ok:
-                    failure = failure or (task, payload)
-                elif failure is None:
+                if not ok and payload is not None and failure is None:
+                    failure = (task, payload)
+                    self._workers.cancel()  # early stop: queued tasks are answered without running
+                elif ok and failure is None:
                     run.finish(task.stage, task.action, payload)
                     done.add((task.action.kind, task.stage, task.action.micro_batch))
-        except BaseException:  # timeout, KeyboardInterrupt, a bug here: leave no thread behind
-            self._workers.close(timeout=1.0)
+        except BaseException as error:  # timeout, interrupt, a bug here: queued tasks are cancelled;
+            # after an interrupt, wait (up to timeout; a second interrupt ends the wait) for running
+            # tasks, so a re-run right away is clean; one still running is a leftover (see Workers)
+            self._workers.close(timeout=self.timeout if isinstance(error, KeyboardInterrupt) else 0.1)
             raise
         if failure is not None:
             self._workers.close()

@@ -15,9 +15,9 @@ tick, ``m`` number of micro-batches, ``p`` number of stages.
 
 from __future__ import annotations
 
-import statistics
+import math
 from dataclasses import dataclass
-from typing import Container, Iterable, Iterator, Literal, Sequence, Union
+from typing import Container, Iterator, Literal, Sequence, Union
 
 from parallel_lib.common.checks import positive_int
 from parallel_lib.common.timeline import Event
@@ -36,8 +36,6 @@ __all__ = [
     "bubble_fraction",
     "stage_lane",
     "action_ready",
-    "stage_costs_from_events",
-    "in_flight",
 ]
 
 Kind = Literal["F", "B"]
@@ -223,8 +221,10 @@ def validate_schedule(schedule: Schedule, require_backward: bool = True) -> None
     ``B(i)``, and the per-stage orders must allow all of that without a deadlock.
 
     Raises:
-        ValueError: naming the stage and the action that breaks a rule.
+        ValueError: no stage or no micro-batch, or naming the stage and the action that breaks a rule.
     """
+    positive_int("num_stages", schedule.num_stages)  # a schedule of nothing would pass every rule below
+    positive_int("num_micro_batches", schedule.num_micro_batches)
     if len(schedule.stages) != schedule.num_stages:
         raise ValueError(f"schedule has {len(schedule.stages)} stage lists for "
                          f"num_stages={schedule.num_stages}")
@@ -249,8 +249,8 @@ def _normalise_costs(stage_costs: Union[StageCost, Sequence[StageCost]], p: int)
         costs = [tuple(stage_costs)] * p  # one (forward, backward) pair for every stage
     else:
         costs = [tuple(c) for c in stage_costs]  # type: ignore[union-attr]
-    if len(costs) != p or any(len(c) != 2 or min(c) < 0 for c in costs):
-        raise ValueError(f"stage_costs must be one (forward, backward) pair of non-negative costs or "
+    if len(costs) != p or any(len(c) != 2 or not all(math.isfinite(x) and x >= 0 for x in c) for c in costs):
+        raise ValueError(f"stage_costs must be one (forward, backward) pair of finite, non-negative costs or "
                          f"{p} of them (one per stage), got stage_costs={stage_costs!r}")
     return costs  # type: ignore[return-value]
 
@@ -270,7 +270,8 @@ def simulate(schedule: Schedule, stage_costs: Union[StageCost, Sequence[StageCos
         One :class:`Event` per action on lanes ``"stage j"``, in completion order.
 
     Raises:
-        ValueError: an invalid schedule or badly shaped ``stage_costs``.
+        ValueError: an invalid schedule, badly shaped ``stage_costs`` or a cost that is
+            negative, NaN or infinite.
     """
     costs = _normalise_costs(stage_costs, schedule.num_stages)
     validate_schedule(schedule, require_backward=any(a.kind == "B" for a in schedule.stages[0]))
@@ -282,38 +283,3 @@ def bubble_fraction(p: int, m: int) -> float:
     """Idle share of a GPipe or 1F1B pipeline with equal stage costs: ``(p - 1) / (m + p - 1)``."""
     _check_sizes(p, m)
     return (p - 1) / (m + p - 1)
-
-
-def in_flight(events: Iterable[Event], time: float) -> list[int]:
-    """Micro-batches whose activations each stage holds at ``time``: forward begun, backward not done.
-
-    This is the activation memory of a schedule in units of one micro-batch's
-    activations per stage: GPipe climbs to m, 1F1B stays at most p.
-    """
-    events = list(events)
-    p = 1 + max((int(e.lane.split()[-1]) for e in events), default=-1)
-    held = [0] * p
-    done = {(e.lane, e.micro_batch) for e in events if e.kind == "backward" and e.end <= time}
-    for e in events:
-        if e.kind == "forward" and e.start < time and (e.lane, e.micro_batch) not in done:
-            held[int(e.lane.split()[-1])] += 1
-    return held
-
-
-def stage_costs_from_events(events: Iterable[Event], p: int) -> list[StageCost]:
-    """Median measured (forward, backward) duration per stage, to feed :func:`simulate`.
-
-    Raises:
-        ValueError: a stage without forward or backward events.
-    """
-    events = list(events)
-    costs = []
-    for j in range(p):
-        pair = []
-        for kind in ("forward", "backward"):
-            durations = [e.duration for e in events if e.lane == stage_lane(j) and e.kind == kind]
-            if not durations:
-                raise ValueError(f"no {kind} events on lane {stage_lane(j)!r}; pass a training step's timeline")
-            pair.append(statistics.median(durations))
-        costs.append((pair[0], pair[1]))
-    return costs

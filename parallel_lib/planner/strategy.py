@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from parallel_lib.common.checks import positive_int
+from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.data_parallel.ring import allreduce_cost
 from parallel_lib.model_parallel.memory import (
     DTYPE_BYTES,
@@ -257,7 +257,8 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         include_activations: False: training state only, as ``training_memory(...).min_devices``.
 
     Raises:
-        ValueError: an unknown model, dtype, optimizer or schedule, or a size that is not positive.
+        ValueError: an unknown model, dtype, optimizer or schedule, a size that is not positive
+            and finite, or a ``gpu_gib`` so large that it must be bytes.
         TypeError: ``model`` is neither a name nor a ``ModelShape``.
     """
     if isinstance(model, ModelShape):
@@ -272,9 +273,10 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         positive_int(arg, value)
     if micro_batches is not None:
         positive_int("micro_batches", micro_batches)
-    for arg, number in (("gpu_gib", gpu_gib), ("bandwidth", bandwidth)):
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number > 0:
-            raise ValueError(f"{arg} must be a number > 0, got {arg}={number!r}")
+    positive_number("bandwidth", bandwidth, hint="bytes per second, e.g. 25e9")
+    if positive_number("gpu_gib", gpu_gib) > 2**20:  # a mebi-GiB GPU (a pebibyte) is bytes given for GiB
+        raise ValueError(f"gpu_gib is in GiB, got gpu_gib={gpu_gib!r}, which looks like bytes; "
+                         f"pass {gpu_gib!r} / GiB (= {gpu_gib / GiB:g})")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got dtype={dtype!r}")
     if optimizer is not None and optimizer not in OPTIMIZER_STATES:

@@ -3,6 +3,15 @@
 The bottom layer: every chapter starts its ranks with :func:`launch` (or :func:`run`,
 which picks torchrun when the process was started by it) and asks :func:`devices` /
 :func:`resolve_device` where to compute.
+
+What launches ranks, file by file:
+
+- ``launcher``: the public ``launch``, ``run_torchrun``, ``run``;
+- ``group``: ``RankInfo``, the backend choice, the rendezvous store bound to loopback, joining the group;
+- ``payload``: pickling the job here and unpickling it in the rank, naming what cannot travel;
+- ``spawned``: the rank's entry point and its watch on the parent;
+- ``supervise``: waiting for the ranks (start-up and run timeouts) and stopping them;
+- ``failures``: ``RankError``/``LaunchTimeoutError`` and what each symptom usually means.
 """
 
 from parallel_lib.runtime.collectives import CollectiveCall, CollectiveCounter, count_collectives, ring_wire_bytes

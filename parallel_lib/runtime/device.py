@@ -16,7 +16,7 @@ with the same check for a GPU that is not there.
 from __future__ import annotations
 
 import os
-from typing import Hashable, Sequence, Union
+from typing import Hashable, Iterable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -65,9 +65,18 @@ def check_device_keys(devices: Sequence[DeviceKey]) -> list[DeviceKey]:
     """``devices`` as a list, if every key is an int >= 0, a str or a ``torch.device``, and distinct.
 
     Raises:
-        TypeError: a key of another type (``True`` included: it would silently mean device 1).
+        TypeError: ``devices`` is one key instead of a list of keys (``"cpu"`` would be read as
+            the devices "c", "p", "u"; ``2`` is not a list), or a key of another type (``True``
+            included: it would silently mean device 1).
         ValueError: no key, a negative int, or a key given twice.
     """
+    if isinstance(devices, (str, int, torch.device)):
+        example = f"list(range({devices}))" if isinstance(devices, int) and not isinstance(devices, bool) else \
+            f"[{devices!r}, ...] with one key per device (ints such as [0, 1] give several devices on the CPU too)"
+        raise TypeError(f"devices must be a list of device keys, one per device, got devices={devices!r} "
+                        f"({type(devices).__name__}); e.g. {example}")
+    if not isinstance(devices, Iterable):
+        raise TypeError(f"devices must be a list of device keys, got devices={devices!r} ({type(devices).__name__})")
     devices = list(devices)
     if not devices:
         raise ValueError("devices must name at least one device, got devices=[]; e.g. devices=[0, 1]")

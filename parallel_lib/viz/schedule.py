@@ -21,11 +21,11 @@ from parallel_lib.pipeline_parallel.schedule import (
     Schedule,
     StageCost,
     bubble_fraction,
-    in_flight,
     make_schedule,
     simulate,
     stage_lane,
 )
+from parallel_lib.pipeline_parallel.timeline_stats import in_flight
 from parallel_lib.viz.timeline import KIND_COLORS
 
 __all__ = ["bubble_until", "render_schedule", "render_schedules", "schedule_widget"]

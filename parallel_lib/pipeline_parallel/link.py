@@ -1,0 +1,227 @@
+"""Stages on different ranks: which tensors a stage exchanges with its neighbours, and when.
+
+Between two actions of its schedule a stage sends what the last action produced and
+receives what the next one needs, and both go out in ONE ``dist.batch_isend_irecv``
+(an *exchange*), as Megatron-LM pairs ``send_forward_recv_backward``::
+
+    stage j, 1F1B steady state          exchange between F(i) and B(i')
+    ... F(i) ──> [ send act(i) to j+1 | recv grad(i') from j+1 ] ──> B(i') ...
+
+Why pair them. NCCL blocks a send larger than its eager buffer (about 4 MiB; a 124M
+GPT-2's activation is ~25 MB) until the peer has posted the matching receive, and runs a
+rank's operations in order. If stage j posts "send activation" while stage j+1 posts
+"send gradient", each waits for a receive the other has not posted yet: deadlock. In one
+batch, a send and a receive progress together. Gloo buffers sends, so a CPU run never
+shows the problem; :func:`find_deadlock` replays exchange plans under NCCL's rule (every
+message waits for its partner) so a CPU test can show that the paired plan completes and
+the unpaired one does not.
+
+No tags: NCCL ignores them. Messages between two ranks match in the order they were
+posted, per direction, and each stage's plan follows the schedule's order, so the k-th
+activation j sends is the k-th one j+1 receives (:func:`find_deadlock` checks that too).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallel_lib.pipeline_parallel.schedule import Schedule
+
+__all__ = ["Message", "Exchange", "exchange_plan", "find_deadlock", "StageLink", "wait_for"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor between neighbouring stages: micro-batch i's activation (to j+1) or gradient (to j-1)."""
+
+    kind: Literal["activation", "gradient"]
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.micro_batch}"
+
+    @property
+    def step(self) -> int:
+        """The neighbour it goes to (+1 for activations) or comes from, relative to the stage."""
+        return 1 if self.kind == "activation" else -1
+
+
+@dataclass
+class Exchange:
+    """What a stage sends and receives in one ``batch_isend_irecv``, before action ``before``."""
+
+    before: int  # index of the next action in the stage's list (== len(list) after the last)
+    sends: list[Message] = field(default_factory=list)
+    recvs: list[Message] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [f"send {', '.join(map(str, self.sends))}"] * bool(self.sends)
+        parts += [f"receive {', '.join(map(str, self.recvs))}"] * bool(self.recvs)
+        return "[" + " | ".join(parts) + "]"
+
+
+def exchange_plan(schedule: Schedule, j: int, paired: bool = True) -> list[Exchange]:
+    """Stage j's exchanges, in order: the sends of action k-1 with the receives of action k.
+
+    Args:
+        schedule: the pipeline's schedule.
+        j: the stage.
+        paired: False gives one exchange per message, sends right after their action and
+            receives right before theirs: the pattern that deadlocks on NCCL.
+    """
+    p, actions = schedule.num_stages, schedule.stages[j]
+    plan: list[Exchange] = []
+    for k in range(len(actions) + 1):
+        sends, recvs = [], []
+        if k > 0:  # what action k-1 produced: its output forward, or its input gradient back
+            i, kind = actions[k - 1].micro_batch, actions[k - 1].kind
+            if kind == "F" and j < p - 1:
+                sends.append(Message("activation", i))
+            if kind == "B" and j > 0:
+                sends.append(Message("gradient", i))
+        if k < len(actions):  # what action k needs
+            i, kind = actions[k].micro_batch, actions[k].kind
+            if kind == "F" and j > 0:
+                recvs.append(Message("activation", i))
+            if kind == "B" and j < p - 1:
+                recvs.append(Message("gradient", i))
+        if paired:
+            plan.append(Exchange(k, sends, recvs))
+        else:
+            plan += [Exchange(k, [m], []) for m in sends] + [Exchange(k, [], [m]) for m in recvs]
+    return [e for e in plan if e.sends or e.recvs]
+
+
+def find_deadlock(schedule: Schedule, paired: bool = True) -> Optional[str]:
+    """Replay every stage's exchanges as NCCL runs large messages; None if they all complete.
+
+    Rules: a stage posts its exchanges one after another; an exchange completes once the
+    partner of each of its messages is posted (a send waits for its receive and back);
+    the n-th message from stage a to stage b is the n-th one b receives from a, and it
+    must be the same micro-batch's tensor (no tags to sort them out).
+
+    Returns:
+        None, or a description of where the stages wait on each other forever, or of a
+        message received in place of another.
+    """
+    p = schedule.num_stages
+    plans = [exchange_plan(schedule, j, paired) for j in range(p)]
+    # the n-th message on each directed channel (a, b): in which exchange of a (send) and b (recv)
+    posted: dict[tuple[str, int, int, int], tuple[int, Message]] = {}
+    for j, plan in enumerate(plans):
+        counts: dict[tuple[str, int], int] = {}
+        for e, exchange in enumerate(plan):
+            for op, messages in (("send", exchange.sends), ("recv", exchange.recvs)):
+                for m in messages:
+                    peer = j + m.step if op == "send" else j - m.step
+                    n = counts[(op, peer)] = counts.get((op, peer), -1) + 1
+                    src, dst = (j, peer) if op == "send" else (peer, j)
+                    posted[(op, src, dst, n)] = (e, m)
+    for (op, src, dst, n), (_, m) in posted.items():
+        other = posted.get(("recv" if op == "send" else "send", src, dst, n))
+        if other is None or other[1] != m:
+            return f"stage {src} -> {dst}, message {n}: {m} is matched with {other and other[1]}"
+    at = [0] * p  # the exchange each stage has posted and waits on
+    while any(at[j] < len(plans[j]) for j in range(p)):
+        progressed = False
+        for j in range(p):
+            if at[j] < len(plans[j]) and _partners_posted(j, at, posted):
+                at[j] += 1
+                progressed = True
+        if not progressed:
+            waiting = [f"stage {j} waits in {plans[j][at[j]]}" for j in range(p) if at[j] < len(plans[j])]
+            return "deadlock: " + "; ".join(waiting)
+    return None
+
+
+def _partners_posted(j: int, at: list[int], posted: dict[tuple[str, int, int, int], tuple[int, Message]]) -> bool:
+    """Whether every message of stage j's current exchange has its partner posted."""
+    for (op, src, dst, n), (e, _) in posted.items():
+        me = src if op == "send" else dst
+        if me == j and e == at[j]:
+            partner_stage = dst if op == "send" else src
+            partner_exchange = posted[("recv" if op == "send" else "send", src, dst, n)][0]
+            if at[partner_stage] < partner_exchange:
+                return False
+    return True
+
+
+def wait_for(work: Any, timeout: float, what: str) -> None:
+    """Wait for a send, receive or collective; its failure names what waited for what.
+
+    Raises:
+        TimeoutError: nothing came within ``timeout`` seconds.
+        RuntimeError: the peer failed first (gloo reports a closed connection).
+    """
+    start = time.monotonic()
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as error:
+        waited = time.monotonic() - start
+        if waited >= 0.99 * timeout:
+            raise TimeoutError(f"{what}: nothing within timeout={timeout:g} s ({error})") from error
+        raise RuntimeError(f"{what}: failed after {waited:.1f} s ({error})") from error
+
+
+class StageLink:
+    """One rank's connection to the ranks of its neighbouring stages.
+
+    Args:
+        prev: rank of stage j-1 (None on the first stage).
+        next: rank of stage j+1 (None on the last stage).
+        who: how error messages name this rank, e.g. "rank 1 (replica 0, stage 1)".
+        timeout: seconds any exchange may wait.
+        device: where received tensors are allocated.
+    """
+
+    def __init__(self, prev: Optional[int], next: Optional[int], who: str, timeout: float,
+                 device: torch.device) -> None:
+        self.prev, self.next, self.who, self.timeout, self.device = prev, next, who, timeout, device
+        self.bytes_sent = 0  # since the last reset
+
+    def peer(self, message: Message, sending: bool) -> int:
+        rank = self.next if (message.step > 0) == sending else self.prev
+        if rank is None:
+            raise ValueError(f"{self.who} has no neighbour for {message}")
+        return rank
+
+    def exchange(self, sends: Sequence[tuple[Message, Tensor]], recvs: Sequence[Message],
+                 shape: Callable[[Message], Sequence[int]], dtype: torch.dtype = torch.float32) -> list[Tensor]:
+        """Post every send and receive in one ``batch_isend_irecv`` and wait for all; return the received.
+
+        Args:
+            sends: messages with their tensors.
+            recvs: messages to receive, allocated as ``torch.empty(shape(message), dtype)``.
+            shape: the shape of a message's tensor (both sides know it from the batch).
+
+        Raises:
+            TimeoutError: naming the message and the peer, after ``timeout`` seconds.
+            RuntimeError: a peer failed (its connection closed).
+        """
+        ops, names = [], []
+        received = [torch.empty(tuple(shape(m)), dtype=dtype, device=self.device) for m in recvs]
+        for m, buffer in zip(recvs, received):
+            src = self.peer(m, sending=False)
+            ops.append(dist.P2POp(dist.irecv, buffer, src))
+            names.append(f"{self.who} waiting for the {_words(m)} from rank {src}")
+        for m, tensor in sends:
+            dst = self.peer(m, sending=True)
+            tensor = tensor.contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, dst))
+            names.append(f"{self.who} sending the {_words(m)} to rank {dst}")
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        if ops:
+            for work, what in zip(dist.batch_isend_irecv(ops), names):  # receives first: the likelier wait
+                wait_for(work, self.timeout, what)
+        return received
+
+
+def _words(m: Message) -> str:
+    return ("activations" if m.kind == "activation" else "output gradient") + f" of micro-batch {m.micro_batch}"
