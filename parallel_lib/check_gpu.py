@@ -52,6 +52,7 @@ from parallel_lib.gpu_checks import (
     check_model_parallel,
     check_pipeline,
     check_sharding,
+    check_tensor_parallel,
     device_counts,
     free_memory,
     workload_for,
@@ -60,7 +61,7 @@ from parallel_lib.runtime.environment import environment_report
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "Planned",
            "NOTHING_CHECKED", "device_counts", "plan", "format_plan", "check_dp", "check_allreduce",
-           "check_model_parallel", "check_pipeline", "check_sharding", "parse_args", "main"]
+           "check_model_parallel", "check_pipeline", "check_sharding", "check_tensor_parallel", "parse_args", "main"]
 
 NOTHING_CHECKED = 3  # exit status when no check could run (no GPU, or too few for the selected checks)
 CPU_DEVICES = 2      # CPU "devices" (ranks, stages) of an --allow-cpu run without --gpus
@@ -114,6 +115,8 @@ register_check("pipeline", Check("04_pipeline_parallel", 2, "Pipe over cuda:0..p
                                  "step times by m, bench pp", check_pipeline, splits_layers=True))
 register_check("sharding", Check("06_sharded_data_parallel", 2, "ZeRO-0..3, ZeroRedundancyOptimizer, FSDP2 on NCCL "
                                  "ranks: equivalence with one process, census, bench sharding", check_sharding))
+register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
+                                        "ranks: equivalence with one process", check_tensor_parallel))
 
 
 # --------------------------------------------------------------------------- plan

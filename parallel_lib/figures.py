@@ -152,6 +152,22 @@ def _zero3_timeline() -> Figure:
     return plot_zero_timelines(zero3_timelines(2))
 
 
+# ----------------------------------------------------------------------------- chapter 07
+
+def _tp_layer_steps() -> Figure:
+    from parallel_lib.runtime import launch
+    from parallel_lib.tensor_parallel.verify import layer_trace
+    from parallel_lib.viz.tensor_parallel import render_frames
+    return render_frames(launch(layer_trace, 2, True, backend="gloo")[0], tp=2)
+
+
+def _tp_step_times() -> Figure:
+    from parallel_lib.bench.tp import SWEEP, measure, sweep_series
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.viz.tensor_parallel import render_step_times
+    return render_step_times(*sweep_series(measure(SWEEP)), title=f"2-layer GPT-2, tp = 1 vs 2 ({machine_label()})")
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -169,6 +185,8 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("zero_memory_census", "ch06", True, _zero_census),
     FigureSpec("zero_calculator_7b", "ch06", False, _zero_calculator),
     FigureSpec("zero3_timeline", "ch06", True, _zero3_timeline),
+    FigureSpec("tp_layer_steps", "ch07", False, _tp_layer_steps),
+    FigureSpec("tp_step_times", "ch07", True, _tp_step_times),
 ]
 
 
