@@ -20,6 +20,8 @@ from parallel_lib.exercises._shipping import ship
 from parallel_lib.exercises.solutions import rank_slice
 
 ALL = [item for items in EXERCISES.values() for item in items]
+OURS = ["00", "01", "02", "03", "04", "05"]  # chapters whose exercise cells come from lab.section_cells
+OURS_ALL = [item for chapter in OURS for item in EXERCISES[chapter]]
 _cell_numbers = itertools.count()
 
 
@@ -42,13 +44,13 @@ def notebook_function(source: str):
 # ----------------------------------------------------------------------------- the registry
 
 def test_registry_covers_every_chapter_with_two_to_four_exercises():
-    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05"]
+    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07"]
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
     assert {"average_gradients", "device_map_under_limit", "micro_batches_for_bubble", "wrong_dp_loop",
             "ring_exchange_order", "plan_parallelism"} <= set(names)
-    assert len(names) >= 15 and all(item.title and item.title[-1] in ".?)" for item in ALL)  # whole sentences
+    assert len(OURS_ALL) >= 15 and all(item.title and item.title[-1] in ".?)" for item in OURS_ALL)  # sentences
 
 
 @pytest.mark.parametrize("item", [i for i in ALL if i.name != "average_gradients"], ids=lambda i: i.name)
@@ -79,7 +81,7 @@ def test_check_cell_source_calls_the_checker_on_the_stub_name(item):
 
 def test_every_answer_is_in_solutions_py():
     from parallel_lib.exercises import solutions
-    for item in ALL:
+    for item in OURS_ALL:
         assert any(getattr(solutions, name) is item.solution for name in solutions.__all__), item.name
     assert exercises.check_clock_cycles(solutions._clock_cycles).passed
 
@@ -283,6 +285,22 @@ WRONG = [
                 if fits(stages, n_gpus // stages):
                     return stages, 1   # one pipeline, the other GPUs idle
      """, ["expected (1, 8), got (1, 1)", "8 GPUs hold 8 replicas of 1 stages"]),
+    ("shard_owner", """
+        def owner_of(index, numel, world_size):
+            return index * world_size // numel  # forgets the padding
+     """, ["owner_of(5, 10, 4)", "expected 1, got 2", "ceil(10 / 4) = 3 elements each, padding included"]),
+    ("shard_owner", """
+        def owner_of(index, numel, world_size):
+            return index // (numel // world_size)  # rounds the shard down
+     """, ["owner_of(5, 10, 4)", "expected 1, got 2", "padding included, not numel / N"]),
+    ("zero_bytes_per_rank", """
+        def zero_bytes_per_rank(n_params, world_size, stage):
+            return 16 * n_params / world_size if stage else 16 * n_params  # shards everything from stage 1
+     """, ["zero_bytes_per_rank(1000000, 4, 1)", "stage 1 divides by N: optimizer states"]),
+    ("zero3_bytes_sent", """
+        def zero3_bytes_sent(n_params, world_size, bytes_per_param):
+            return 2 * (world_size - 1) / world_size * n_params * bytes_per_param  # as data parallelism
+     """, ["zero3_bytes_sent(1000, 2, 2)", "all-gathers the parameters a second time"]),
 ]
 
 
@@ -430,7 +448,7 @@ def test_numbers_that_differ_are_printed_with_the_digits_that_differ():
 
 # ----------------------------------------------------------------------------- notebooks, grading, graded labs
 
-@pytest.mark.parametrize("chapter", sorted(EXERCISES))
+@pytest.mark.parametrize("chapter", OURS)
 def test_each_notebook_holds_the_registry_exercise_cells(chapter):
     import glob
 
@@ -521,3 +539,42 @@ def test_bucketed_allreduce_without_overlap_or_buckets_is_caught_on_real_ranks(s
     assert not result.passed
     for fragment in fragments:
         assert fragment in result.message, result.message
+
+
+# ----------------------------------------------------------------------------- chapter 07
+
+WRONG_CH07 = [
+    ("row_parallel_forward", """
+        def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+            return all_reduce(x_mine @ weight_mine.T + bias)   # bias inside the sum
+     """, ["2 ranks, seed 0", "the bias was summed 2 times"]),
+    ("row_parallel_forward", """
+        def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+            return x_mine @ weight_mine.T + bias               # no all-reduce
+     """, ["partial product", "sum them with all_reduce"]),
+    ("row_parallel_forward", """
+        def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+            y = x_mine @ weight_mine.T
+            return all_reduce(y) + bias if weight_mine.sum() > 0 else y + bias   # only some ranks call it
+     """, ["never called it"]),
+    ("tp_block_bytes", """
+        def tp_block_bytes(batch, seq, hidden, n_layer, tp, bytes_per_element=4):
+            return n_layer * 2 * 2 * (tp - 1) / tp * batch * seq * hidden * bytes_per_element   # forward only
+     """, ["tp_block_bytes(1, 1, 1, 1, 2)", "the backward pass has its two all-reduces"]),
+]
+
+
+@pytest.mark.parametrize("name, source, fragments", WRONG_CH07, ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG_CH07)])
+def test_known_wrong_ch07_solution_fails_with_a_helpful_message(name, source, fragments):
+    result = exercise(name).check(notebook_function(source))
+    assert not result.passed and result.message.startswith(f"❌ {name}")
+    for fragment in fragments:
+        assert fragment in result.message, result.message
+
+
+@pytest.mark.parametrize("answer, fragment", [("g forward", "outputs themselves would be partial"),
+                                              ("F Backward", None), (3, "must be one of the strings")])
+def test_missing_operator_answers(answer, fragment):
+    result = exercises.check_missing_operator(answer)
+    assert result.passed == (fragment is None)
+    assert fragment is None or fragment in result.message, result.message

@@ -36,8 +36,10 @@ _CHECKERS = {
     "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
     "check_micro_batches_for_bubble": "ch04",
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
+    "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",
+    "check_row_parallel_forward": "ch07", "check_missing_operator": "ch07", "check_tp_block_bytes": "ch07",
 }
-CHAPTERS = ("00", "01", "02", "03", "04", "05")
+CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07")
 
 _LAB = ("grade", "grade_notebook", "launch_cell", "section_cells", "hide_solutions")
 
