@@ -20,6 +20,8 @@ from parallel_lib.exercises._shipping import ship
 from parallel_lib.exercises.solutions import rank_slice
 
 ALL = [item for items in EXERCISES.values() for item in items]
+OURS = ["00", "01", "02", "03", "04", "05"]  # chapters whose exercise cells come from lab.section_cells
+OURS_ALL = [item for chapter in OURS for item in EXERCISES[chapter]]
 _cell_numbers = itertools.count()
 
 
@@ -46,7 +48,9 @@ def test_registry_covers_every_chapter_with_two_to_four_exercises():
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
-    assert {"average_gradients", "clock_cycles", "balanced_device_map", "pipeline_bubble"} <= set(names)
+    assert {"average_gradients", "device_map_under_limit", "micro_batches_for_bubble", "wrong_dp_loop",
+            "ring_exchange_order", "plan_parallelism"} <= set(names)
+    assert len(OURS_ALL) >= 15 and all(item.title and item.title[-1] in ".?)" for item in OURS_ALL)  # sentences
 
 
 @pytest.mark.parametrize("item", [i for i in ALL if i.name != "average_gradients"], ids=lambda i: i.name)
@@ -75,8 +79,15 @@ def test_check_cell_source_calls_the_checker_on_the_stub_name(item):
     assert exercise(item.name) is item
 
 
+def test_every_answer_is_in_solutions_py():
+    from parallel_lib.exercises import solutions
+    for item in OURS_ALL:
+        assert any(getattr(solutions, name) is item.solution for name in solutions.__all__), item.name
+    assert exercises.check_clock_cycles(solutions._clock_cycles).passed
+
+
 def test_unknown_exercise_lists_the_names():
-    with pytest.raises(ValueError, match="no exercise is called 'nope'.*clock_cycles"):
+    with pytest.raises(ValueError, match="no exercise is called 'nope'.*device_map_under_limit"):
         exercise("nope")
 
 
@@ -212,18 +223,68 @@ WRONG = [
         def bytes_per_device(n_params, pipeline_stages, data_replicas):
             return 16 * n_params / (pipeline_stages * data_replicas)
      """, ["bytes_per_device(1000000000, 1, 8)", "replicas do not share memory"]),
-    ("plan_parallelism", """
+    ("device_map_under_limit", """
         import math
-        def plan_parallelism(n_params, gpu_bytes, n_gpus):
-            stages = math.ceil(4 * n_params / gpu_bytes)   # the fp32 weights only
-            return (stages, n_gpus // stages) if stages <= n_gpus else None
-     """, ["plan_parallelism(6738415616, 17179869184, 8)", "expected (7, 1), got (2, 4)", "= 7 GPU(s)"]),
+        def device_map_under_limit(layer_bytes, capacity):   # as if the model could be cut anywhere
+            n = math.ceil(sum(layer_bytes) / capacity)
+            blocks = len(layer_bytes) - 2
+            per = math.ceil(blocks / n)
+            return {d: list(range(d * per, min(blocks, (d + 1) * per))) for d in range(n)}
+     """, ["device_map_under_limit([1.0, 1, 1, 1, 1, 0.5], 2.0)", "device 0 holds 3 bytes (with the embedding)",
+           "ceil(total / capacity) = 3 devices assumes the model can be cut anywhere"]),
+    ("device_map_under_limit", """
+        def device_map_under_limit(layer_bytes, capacity):   # forgets the embedding and the head
+            device_map, used = {0: []}, 0.0
+            for i, size in enumerate(layer_bytes[1:-1]):
+                if used + size > capacity:
+                    device_map[len(device_map)], used = [], 0.0
+                device_map[len(device_map) - 1].append(i)
+                used += size
+            return device_map
+     """, ["device_map_under_limit([1.0, 1, 1, 1, 1, 0.5], 2.0)", "(with the embedding) > capacity 2"]),
+    ("micro_batches_for_bubble", """
+        def micro_batches_for_bubble(p, target, stage_costs):   # the formula, for equal stages only
+            m = 1
+            while (p - 1) / (m + p - 1) > target:
+                m += 1
+            return m
+     """, ["micro_batches_for_bubble(4, 0.45, [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (2.0, 4.0)])",
+           "expected 11, got 4", "assumes equal stages"]),
+    ("ring_exchange_order", """
+        def ring_exchange_order(rank, world_size):   # the article's order: everyone sends first
+            return [("send", (rank + 1) % world_size), ("recv", (rank - 1) % world_size)]
+     """, ["world_size=2", "deadlock: rank 0 waits in send(1); rank 1 waits in send(0)", "every rank sends first"]),
+    ("ring_exchange_order", """
+        def ring_exchange_order(rank, world_size):
+            return [("recv", (rank - 1) % world_size), ("send", (rank + 2) % world_size)]
+     """, ["ring_exchange_order(0, 2)", "send to the right neighbour"]),
     ("plan_parallelism", """
-        import math
-        def plan_parallelism(n_params, gpu_bytes, n_gpus):
-            stages = math.ceil(16 * n_params / gpu_bytes)
-            return stages, n_gpus // stages   # forgets the models that do not fit
-     """, ["plan_parallelism(68976648192, 85899345920, 8)", "expected None (it does not fit), got (13, 0)"]),
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(1, n_layers + 1):
+                if fits(stages, 1):   # asks with one replica: more stages than needed
+                    return stages, n_gpus // stages
+     """, ["plan_parallelism(fits[llama-2-7b, 64 x 4096 tokens, 8 x 80 GiB], 8, 32)", "expected (4, 2), got (6, 1)",
+           "fits(4, 2) is True too, with fewer stages"]),
+    ("plan_parallelism", """
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(n_gpus, 0, -1):   # the most stages that fit
+                if fits(stages, n_gpus // stages):
+                    return stages, n_gpus // stages
+     """, ["plan_parallelism(fits[gpt2 (124M), 32 x 1024 tokens, 8 x 16 GiB], 8, 12)", "expected (1, 8), got (8, 1)",
+           "the bubble (p-1)/(m+p-1) grows with p"]),
+    ("plan_parallelism", """
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(1, n_gpus + 1):   # forgets that a stage needs a block
+                if fits(stages, n_gpus // stages):
+                    return stages, n_gpus // stages
+     """, ["fits[needs 3 stages, only 2 blocks], 8, 2)", "expected None (nothing fits), got (3, 2)",
+           "2 blocks make at most 2 stages"]),
+    ("plan_parallelism", """
+        def plan_parallelism(fits, n_gpus, n_layers):
+            for stages in range(1, min(n_gpus, n_layers) + 1):
+                if fits(stages, n_gpus // stages):
+                    return stages, 1   # one pipeline, the other GPUs idle
+     """, ["expected (1, 8), got (1, 1)", "8 GPUs hold 8 replicas of 1 stages"]),
     ("shard_owner", """
         def owner_of(index, numel, world_size):
             return index * world_size // numel  # forgets the padding
@@ -245,11 +306,43 @@ WRONG = [
 
 @pytest.mark.parametrize("name, source, fragments", WRONG, ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG)])
 def test_known_wrong_solution_fails_with_a_helpful_message(name, source, fragments):
-    result = exercise(name).check(notebook_function(source))
+    result = getattr(exercises, f"check_{name}")(notebook_function(source))  # clock_cycles: a checker, no exercise
     assert not result.passed and result.message.startswith(f"❌ {name}")
     assert result.failing_case and result.failing_case in result.message
     for fragment in fragments:
         assert fragment in result.message, result.message
+
+
+@pytest.mark.parametrize("answer, fragments", [
+    (("C", 3), ["is not right: the loop is wrong", "that is the mean"]),
+    (("b", 2), ["is not right: the reason is wrong"]),
+    ("B", ["must be a pair (letter, reason)"]),
+])
+def test_wrong_dp_loop_answers_never_reveal_the_loop(answer, fragments):
+    result = exercises.check_wrong_dp_loop(answer)
+    assert not result.passed and "('B', 1)" not in result.message
+    for fragment in fragments:
+        assert fragment in result.message, result.message
+
+
+def test_the_wrong_dp_loop_is_measured_not_typed():
+    from parallel_lib.exercises.ch01 import _one_process, _train, _wrong_loops
+    assert _wrong_loops() == ["B"]
+    assert torch.equal(_train("A"), _one_process()) or torch.allclose(_train("A"), _one_process(), atol=1e-7)
+
+
+def test_ring_exchange_replay_finds_the_cycle_and_accepts_an_alternating_ring():
+    from parallel_lib.exercises.ch05 import replay_blocking
+    sends_first = [[("send", (r + 1) % 3), ("recv", (r - 1) % 3)] for r in range(3)]
+    assert replay_blocking(sends_first) == "rank 0 waits in send(1); rank 1 waits in send(2); rank 2 waits in send(0)"
+    alternating = [ops if r % 2 == 0 else ops[::-1] for r, ops in enumerate(sends_first)]
+    assert replay_blocking(alternating) is None
+    assert exercises.check_ring_exchange_order(
+        notebook_function("""
+            def ring_exchange_order(rank, world_size):
+                ops = [("send", (rank + 1) % world_size), ("recv", (rank - 1) % world_size)]
+                return ops if rank % 2 == 0 else ops[::-1]
+        """)).passed
 
 
 @pytest.mark.parametrize("answer, fragments", [
@@ -351,6 +444,101 @@ def test_numbers_that_differ_are_printed_with_the_digits_that_differ():
     assert same_number(3 / 11, float(torch.tensor(3 / 11, dtype=torch.float32))) is None
     assert same_number(3 / 11, 0.2727268) == "expected 0.2727273, got 0.2727268"  # 6 digits would read equal
     assert same_number(3 / 11, 0.375) == "expected 0.272727, got 0.375"
+
+
+# ----------------------------------------------------------------------------- notebooks, grading, graded labs
+
+@pytest.mark.parametrize("chapter", OURS)
+def test_each_notebook_holds_the_registry_exercise_cells(chapter):
+    import glob
+
+    import nbformat
+
+    from parallel_lib.exercises.lab import SECTION_HEADING, section_cells
+    path = glob.glob(f"notebooks/{chapter}_*.ipynb")[0]
+    cells = nbformat.read(path, as_version=4).cells
+    start = next(k for k, c in enumerate(cells) if c.source.startswith(SECTION_HEADING))
+    assert [c.source for c in cells[start:]] == [c.source for c in section_cells(chapter)]
+
+
+def test_grade_notebook_scores_the_solutions_and_the_stubs(tmp_path):
+    import glob
+    import inspect
+
+    import nbformat
+
+    from parallel_lib.exercises import grade_notebook
+    path = glob.glob("notebooks/03_*.ipynb")[0]
+    assert [r.passed for r in grade_notebook(path)] == [False] * len(EXERCISES["03"])
+    nb = nbformat.read(path, as_version=4)
+    for item in EXERCISES["03"]:  # the student fills each stub cell with the reference solution
+        cell = next(c for c in nb.cells if c.cell_type == "code" and c.source == item.stub.rstrip("\n"))
+        cell.source = textwrap.dedent(inspect.getsource(item.solution))
+    filled = tmp_path / "03_filled.ipynb"
+    nbformat.write(nb, filled)
+    grades = grade_notebook(filled)
+    assert all(r.passed for r in grades) and repr(grades).endswith(f"score: {len(grades)} / {len(grades)}")
+
+
+def test_a_graded_lab_without_solutions_still_checks(monkeypatch):
+    import sys
+
+    from parallel_lib.exercises._core import HIDDEN, solution
+    monkeypatch.setitem(sys.modules, "parallel_lib.exercises.solutions", None)  # import now fails
+    assert solution("rank_slice") is HIDDEN and "graded lab" in repr(HIDDEN)
+    assert exercises.check_training_bytes(notebook_function("""
+        def training_bytes(n_params, dtype="fp16", optimizer="adamw"):
+            width = 4 if dtype == "fp32" else 2
+            if optimizer is None:
+                return width * n_params
+            master = 4 if width == 2 else 0
+            return (2 * width + master + 4 * {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}[optimizer]) * n_params
+    """)).passed
+
+
+def test_launch_cell_runs_a_worker_written_in_a_notebook_cell():
+    from parallel_lib.exercises import launch_cell
+    worker = notebook_function("""
+        import torch
+        import torch.distributed as dist
+        def worker(rank, world_size, base):
+            t = torch.tensor([base + rank])
+            dist.all_reduce(t)
+            return t.item()
+    """)
+    assert launch_cell(worker, 2, 10.0, timeout=60) == [21.0, 21.0]
+
+
+@pytest.mark.parametrize("source, fragments", [
+    ("""
+        import torch.distributed as dist
+        def attach_bucketed_allreduce(model, bucket_bytes):   # correct, but only after backward
+            def finish():
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            return finish
+     """, ["all 12 all-reduce(s) started after loss.backward() returned: nothing overlapped",
+           "register_post_accumulate_grad_hook"]),
+    ("""
+        import torch.distributed as dist
+        def attach_bucketed_allreduce(model, bucket_bytes):   # overlapped, but one call per tensor
+            handles = []
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda q: handles.append((q, dist.all_reduce(q.grad, async_op=True))))
+            def finish():
+                for q, handle in handles:
+                    handle.wait()
+                    q.grad /= dist.get_world_size()
+            return finish
+     """, ["12 all-reduces for 12 gradient tensors: one per tensor, no buckets", "buckets of about"]),
+])
+def test_bucketed_allreduce_without_overlap_or_buckets_is_caught_on_real_ranks(source, fragments):
+    result = exercises.check_bucketed_allreduce(notebook_function(source))
+    assert not result.passed
+    for fragment in fragments:
+        assert fragment in result.message, result.message
 
 
 # ----------------------------------------------------------------------------- chapter 07

@@ -25,7 +25,15 @@ from parallel_lib.model_parallel import (  # noqa: E402
     training_memory,
 )
 from parallel_lib.pipeline_parallel import bubble_fraction  # noqa: E402
-from parallel_lib.planner import STRATEGIES, Measured, markdown_table, p2p_bytes, plan, ring_bytes  # noqa: E402
+from parallel_lib.planner import (  # noqa: E402
+    STRATEGIES,
+    Measured,
+    fewest_stages,
+    markdown_table,
+    p2p_bytes,
+    plan,
+    ring_bytes,
+)
 from parallel_lib.planner.compare import _handover_bytes  # noqa: E402
 from parallel_lib.viz.strategy import strategy_widget  # noqa: E402
 
@@ -48,7 +56,10 @@ def test_small_model_on_many_gpus_is_plain_data_parallelism():
 
 def test_7b_on_8_large_gpus_needs_pipelines_and_replicates_them():
     chosen = plan("llama-2-7b", seq_len=4096, batch_size=64, gpu_gib=80, n_gpus=8)
-    assert not chosen.option("DP").feasible and not chosen.option("MP").feasible
+    assert not chosen.option("DP").feasible  # 100 GiB of training state on each GPU
+    mp = chosen.option("MP")  # 12.5 GiB of state: fits once it accumulates over 3 micro-batches
+    plain = plan("llama-2-7b", seq_len=4096, batch_size=64, gpu_gib=80, n_gpus=8, accumulate=False, recompute=False)
+    assert mp.feasible and mp.micro_batches == 3 and not plain.option("MP").feasible
     pp, hybrid = chosen.option("PP"), chosen.option("DP×PP")
     assert (pp.replicas, pp.stages, pp.micro_batches) == (1, 8, 32)  # m = 4p
     assert pp.bubble == bubble_fraction(8, 32)
@@ -62,19 +73,70 @@ def test_7b_on_8_large_gpus_needs_pipelines_and_replicates_them():
 
 def test_gpipe_keeps_all_micro_batches_1f1b_only_p():
     kwargs = dict(seq_len=2048, batch_size=64, gpu_gib=80, n_gpus=4, micro_batches=16)
-    gpipe, one_f_one_b = (plan("llama-2-7b", schedule=s, **kwargs).option("PP") for s in ("gpipe", "1f1b"))
+    gpipe, one_f_one_b = (plan("llama-2-7b", schedule=s, recompute=False, **kwargs).option("PP")
+                          for s in ("gpipe", "1f1b"))
     assert gpipe.activation_bytes == pytest.approx(4 * one_f_one_b.activation_bytes)  # m = 16 vs p = 4
     assert gpipe.bubble == one_f_one_b.bubble
 
 
-@pytest.mark.parametrize("model, gpu_gib, n_gpus", [
-    ("llama-2-13b", 40, 16), ("llama-2-7b", 16, 16), ("gpt2-xl (1.5B)", 16, 8), ("llama-2-70b", 80, 64)])
-def test_training_state_only_gives_the_exercise_layout(model, gpu_gib, n_gpus):
-    # chapter 05's exercise: the fewest stages that hold one copy, as many replicas as fit
-    expected = solutions.plan_parallelism(MODEL_SHAPES[model].n_params, gpu_gib * GiB, n_gpus)
-    hybrid = plan(model, 2048, 256, gpu_gib, n_gpus, include_activations=False).option("DP×PP")
-    assert expected is not None and expected[1] >= 2
-    assert (hybrid.stages, hybrid.replicas) == expected and hybrid.activation_bytes == 0
+@pytest.mark.parametrize("model, seq_len, batch_size, gpu_gib, n_gpus", [
+    ("llama-2-13b", 2048, 256, 40, 16), ("llama-2-7b", 4096, 64, 80, 8), ("llama-2-7b", 2048, 64, 16, 16),
+    ("gpt2-xl (1.5B)", 1024, 64, 16, 8), ("llama-2-70b", 4096, 64, 80, 64), ("gpt2 (124M)", 1024, 32, 16, 8)])
+def test_the_exercise_layout_is_the_planners_pick(model, seq_len, batch_size, gpu_gib, n_gpus):
+    # chapter 05's exercise is handed plan.fits and checked against plan.layout; the DP×PP option
+    # (or DP, with one stage) must be that same layout, so chapter, planner and checker agree
+    chosen = plan(model, seq_len, batch_size, gpu_gib, n_gpus)
+    solved = solutions.plan_parallelism(chosen.fits, n_gpus, MODEL_SHAPES[model].n_layers)
+    assert solved == chosen.layout
+    if solved is None:
+        return
+    stages, replicas = solved
+    option = chosen.option("DP" if stages == 1 else "PP" if replicas == 1 else "DP×PP")
+    assert (option.stages, option.replicas) == solved and option.feasible and not option.recompute
+    assert all(not chosen.fits(fewer, n_gpus // fewer) for fewer in range(1, stages))
+
+
+def test_the_llama_7b_layout_is_4_stages_by_2_replicas_everywhere():
+    chosen = plan("llama-2-7b", seq_len=4096, batch_size=64, gpu_gib=80, n_gpus=8)
+    assert chosen.layout == (4, 2) and chosen.fits(4, 2) and not chosen.fits(2, 4)
+    assert not chosen.fits(4, 1)  # one replica keeps all 64 sequences' activations: too many
+    assert fewest_stages(chosen.fits, 8, 32) == (4, 2)
+
+
+def test_gpt2_xl_trains_on_one_80_gib_gpu_with_gradient_accumulation():
+    plain = plan("gpt2-xl (1.5B)", 1024, 64, 80, 1, accumulate=False, recompute=False)
+    assert plain.best is None  # 64 sequences' activations at once: 183 GiB
+    chosen = plan("gpt2-xl (1.5B)", 1024, 64, 80, 1)
+    dp = chosen.best
+    xl = MODEL_SHAPES["gpt2-xl (1.5B)"]
+    assert dp is chosen.option("DP") and dp.micro_batches == 3 and not dp.recompute  # 22 + 21 + 21 sequences
+    assert dp.activation_bytes == pytest.approx(activation_memory(22, 1024, xl.hidden, xl.n_heads, 48, False))
+    assert dp.memory_bytes <= 80 * GiB < chosen.inputs.cost("DP", 1, 1, 2).memory_bytes  # 2 would not do
+    assert "gradient accumulation: 3 micro-batches" in chosen.explain()
+
+
+def test_recomputation_is_the_last_resort_and_costs_a_quarter_of_the_compute():
+    kwargs = dict(seq_len=2048, batch_size=64, gpu_gib=80, n_gpus=32)
+    without = plan("llama-2-70b", recompute=False, **kwargs)
+    chosen = plan("llama-2-70b", **kwargs)
+    assert not without.option("PP").feasible and not without.option("DP×PP").feasible
+    pp, hybrid = chosen.option("PP"), chosen.option("DP×PP")
+    assert pp.feasible and pp.recompute and hybrid.feasible and hybrid.recompute
+    shape = MODEL_SHAPES["llama-2-70b"]
+    layers, held = shape.n_layers // 32 + (shape.n_layers % 32 > 0), 32  # 1F1B: p = 32 one-sequence micro-batches
+    assert pp.activation_bytes == pytest.approx(activation_memory(held, 2048, shape.hidden, shape.n_heads, layers,
+                                                                  False, recompute=True))
+    assert pp.busy_devices == pytest.approx(32 * (1 - pp.bubble) * 0.75)
+    assert chosen.layout is None  # the exercise's layout asks for a fit without recomputation
+    # a layout that fits without recomputation never gets it
+    assert not plan("llama-2-7b", 4096, 64, 80, 8).option("DP×PP").recompute
+
+
+def test_recomputed_activations_keep_one_input_per_layer_and_one_full_layer():
+    full = activation_memory(2, 1024, 768, 12, 12, False)
+    recomputed = activation_memory(2, 1024, 768, 12, 12, False, recompute=True)
+    assert recomputed == 12 * 2 * 2 * 1024 * 768 + full / 12
+    assert recomputed < full / 5
 
 
 def test_a_batch_smaller_than_the_gpus_limits_data_parallelism():

@@ -29,21 +29,28 @@ from parallel_lib.exercises._core import CheckResult, Exercise
 _CHECKERS = {
     "check_rank_slice": "ch00", "check_all_reduce_prediction": "ch00",
     "check_partition_indices": "ch01", "check_local_batch_size": "ch01", "check_steps_per_epoch": "ch01",
+    "check_wrong_dp_loop": "ch01",
     "check_average_gradients": "ch02", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
-    "check_balanced_device_map": "ch03", "check_training_bytes": "ch03",
+    "check_bucketed_allreduce": "ch02_overlap",
+    "check_balanced_device_map": "ch03", "check_device_map_under_limit": "ch03", "check_training_bytes": "ch03",
     "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
-    "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05",
+    "check_micro_batches_for_bubble": "ch04",
+    "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
     "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",
     "check_row_parallel_forward": "ch07", "check_missing_operator": "ch07", "check_tp_block_bytes": "ch07",
 }
 CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07")
 
-__all__ = ["CheckResult", "Exercise", "EXERCISES", "CHAPTERS", "exercise", *_CHECKERS]
+_LAB = ("grade", "grade_notebook", "launch_cell", "section_cells", "hide_solutions")
+
+__all__ = ["CheckResult", "Exercise", "EXERCISES", "CHAPTERS", "exercise", *_CHECKERS, *_LAB]
 
 
 def __getattr__(name: str) -> Any:
     if name in _CHECKERS:
         return getattr(importlib.import_module(f".{_CHECKERS[name]}", __name__), name)
+    if name in _LAB:
+        return getattr(importlib.import_module(".lab", __name__), name)
     if name == "EXERCISES":
         # chapter (the notebook's number) -> its exercises, in the order they appear in the notebook
         return {chapter: importlib.import_module(f".ch{chapter}", __name__).EXERCISES for chapter in CHAPTERS}

@@ -17,6 +17,7 @@ Only a non-callable where a function is required is a caller's error (TypeError)
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import itertools
 import math
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
-__all__ = ["CheckResult", "Exercise", "Case", "check_function", "check_value", "require_callable", "is_stub",
+__all__ = ["CheckResult", "Exercise", "Case", "HIDDEN", "solution", "check_function", "check_value", "require_callable",
+           "is_stub",
            "passed", "failed", "stub_result", "as_int", "as_number", "same_number", "close", "distinct", "show",
            "REL_TOL"]
 
@@ -67,7 +69,8 @@ class Exercise(NamedTuple):
     name: str
     check: Callable[[Any], CheckResult]
     stub: str       # source of the stub cell; defines the answer under ``answer_name``
-    solution: Any   # a reference function, or the value, that passes ``check``
+    solution: Any   # a reference function, or the value, that passes ``check`` (HIDDEN in a graded lab)
+    title: str = ""  # the task in whole sentences: the notebook's heading of the exercise
 
     @property
     def answer_name(self) -> str:
@@ -84,6 +87,27 @@ class Exercise(NamedTuple):
         """Source of the check cell that goes below the stub cell."""
         return (f"from parallel_lib.exercises import {self.check.__name__}\n\n"
                 f"{self.check.__name__}({self.answer_name})")
+
+
+class _Hidden:
+    def __repr__(self) -> str:
+        return "HIDDEN (solutions.py was removed for a graded lab)"
+
+
+HIDDEN = _Hidden()
+
+
+def solution(name: str) -> Any:
+    """The reference answer ``name`` from ``solutions.py``, or :data:`HIDDEN` once a teacher removed it.
+
+    Checkers never need the solutions (they compare with the library), so a graded lab can ship
+    without the file (``python -m parallel_lib.exercises hide-solutions``) and every check still runs.
+    """
+    try:
+        module = importlib.import_module("parallel_lib.exercises.solutions")
+    except ModuleNotFoundError:
+        return HIDDEN
+    return getattr(module, name)
 
 
 @dataclass(frozen=True)

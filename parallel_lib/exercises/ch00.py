@@ -1,14 +1,17 @@
-"""Exercises for chapter 00: which part of a tensor a rank owns, and what all_reduce returns."""
+"""Exercises for chapter 00: which part of a tensor a rank owns, and what all_reduce returns
+(predicted first, then measured on 4 real gloo ranks)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from parallel_lib.data_parallel.ring import ring_chunks
-from parallel_lib.exercises import solutions
 from parallel_lib.exercises._core import (
+    solution,
     Case,
     CheckResult,
     Exercise,
@@ -16,8 +19,10 @@ from parallel_lib.exercises._core import (
     as_number,
     check_function,
     check_value,
+    passed,
     show,
 )
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["check_rank_slice", "check_all_reduce_prediction", "EXERCISES"]
 
@@ -96,14 +101,45 @@ def _all_reduce_hint(got: list[float]) -> str:
     return "the all-reduce is element-wise: add up the four starting tensors position by position"
 
 
+def _all_reduce_rank(rank: int, world_size: int) -> list[float]:
+    tensor = _START[rank].clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+@functools.lru_cache(maxsize=1)
+def measured_all_reduce() -> tuple[list[float], str]:
+    """Rank 3's tensor after a real 4-rank gloo ``all_reduce(SUM)``, and where it came from.
+
+    Measured once per kernel (a few seconds); if ranks cannot start here, the element-wise sum is
+    used instead and the message says so.
+    """
+    try:
+        return launch(_all_reduce_rank, 4, backend="gloo", timeout=60, threads_per_rank=1)[3], "4 gloo ranks"
+    except Exception:  # noqa: BLE001 - a machine that cannot start ranks still gets its prediction checked
+        return torch.stack(_START).sum(0).tolist(), "the element-wise sum (ranks could not start here)"
+
+
 def check_all_reduce_prediction(answer: Any) -> CheckResult:
-    """Check the predicted result of a 4-rank ``all_reduce(SUM)`` (see the stub's question)."""
-    expected = torch.stack(_START).sum(0).tolist()  # the same on every rank, rank 3 included
-    return check_value("all_reduce_prediction", answer, "all_reduce_prediction", expected,
-                       normalise=_as_pair, compare=_close, hint=_all_reduce_hint)
+    """Check the predicted result of a 4-rank ``all_reduce(SUM)`` against one measured on real ranks.
+
+    The prediction is written down first (the stub cell); the check then runs the all-reduce.
+    """
+    if answer is None or answer is Ellipsis:  # not answered: do not spend a launch on it
+        return check_value("all_reduce_prediction", answer, "all_reduce_prediction", None)
+    expected, source = measured_all_reduce()
+    result = check_value("all_reduce_prediction", answer, "all_reduce_prediction", expected,
+                         normalise=_as_pair, compare=_close, hint=_all_reduce_hint)
+    if result.passed:
+        return passed("all_reduce_prediction", f"1 case: your prediction is what {source} computed, {show(expected)}")
+    return result
 
 
 EXERCISES = [
-    Exercise("rank_slice", check_rank_slice, RANK_SLICE_STUB, solutions.rank_slice),
-    Exercise("all_reduce_prediction", check_all_reduce_prediction, ALL_REDUCE_STUB, solutions.ALL_REDUCE_PREDICTION),
+    Exercise("rank_slice", check_rank_slice, RANK_SLICE_STUB, solution("rank_slice"),
+             "Write `rank_slice(numel, rank, world_size)`: the `(start, stop)` of the part of a flat tensor that "
+             "`rank` owns, parts as equal as possible and none lost."),
+    Exercise("all_reduce_prediction", check_all_reduce_prediction, ALL_REDUCE_STUB, solution("ALL_REDUCE_PREDICTION"),
+             "Predict before you run: what does rank 3 hold after a 4-rank `all_reduce(SUM)`? Write your answer "
+             "down first; the check then runs the all-reduce on 4 real gloo ranks and compares."),
 ]

@@ -9,13 +9,14 @@ from typing import Any, Optional
 import torch
 
 from parallel_lib.data.partition import DataPartitioner, partition_dataset
-from parallel_lib.exercises import solutions
 from parallel_lib.exercises._core import (
+    solution,
     Case,
     CheckResult,
     Exercise,
     as_int,
     check_function,
+    check_value,
     failed,
     is_stub,
     passed,
@@ -24,7 +25,8 @@ from parallel_lib.exercises._core import (
     stub_result,
 )
 
-__all__ = ["check_partition_indices", "check_local_batch_size", "check_steps_per_epoch", "EXERCISES"]
+__all__ = ["check_wrong_dp_loop", "check_partition_indices", "check_local_batch_size", "check_steps_per_epoch",
+           "EXERCISES"]
 
 PARTITION_STUB = '''\
 def partition_indices(n, world_size, seed):
@@ -177,8 +179,119 @@ def check_steps_per_epoch(fn: Any) -> CheckResult:
     return check_function("steps_per_epoch", fn, "steps_per_epoch", cases, normalise=as_int, hint=_steps_hint)
 
 
+WRONG_LOOP_STUB = '''\
+# Which loop, A, B or C, does NOT train like one process on the global batch, and why?
+# Reasons: 1 = it averages after optimizer.step(), so each replica steps with its own gradient
+#          2 = it sums the gradients without dividing, so its steps are world_size times too large
+#          3 = dividing the loss by world_size shrinks the gradients below the mean
+wrong_dp_loop = None  # your answer: (letter, reason), e.g. ("A", 2)
+'''
+
+# The three loops of the exercise, each run on 2 emulated ranks (an all-reduce is a sum over the
+# copies), so the checker's answer is measured, not typed: the loop whose parameters leave one
+# process's is the wrong one.
+_LOOPS = {
+    "A": "loss.backward(); average_gradients(model); optimizer.step()",
+    "B": "loss.backward(); optimizer.step(); average_gradients(model)",
+    "C": "(loss / world_size).backward(); all_reduce(grad, SUM) for each grad; optimizer.step()",
+}
+_REASONS = {1: "averages after the step", 2: "sums without dividing", 3: "the loss scaled by 1/world_size"}
+
+
+def _train(loop: str, steps: int = 2, world_size: int = 2) -> torch.Tensor:
+    """The weight after ``steps`` SGD steps of ``loop`` on ``world_size`` emulated ranks (rank 0's copy)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    models = [torch.nn.Linear(3, 1) for _ in range(world_size)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+    def all_reduce(scale: float) -> None:
+        for params in zip(*(m.parameters() for m in models)):
+            total = sum(p.grad for p in params) * scale
+            for p in params:
+                p.grad = total.clone()
+
+    for _ in range(steps):
+        for r, (m, opt) in enumerate(zip(models, optimizers)):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x[r::world_size]), y[r::world_size])
+            (loss / world_size if loop == "C" else loss).backward()
+        if loop == "B":
+            for opt in optimizers:
+                opt.step()
+            all_reduce(1 / world_size)
+        else:
+            all_reduce(1.0 if loop == "C" else 1 / world_size)
+            for opt in optimizers:
+                opt.step()
+    return models[0].weight.detach()
+
+
+def _one_process(steps: int = 2) -> torch.Tensor:
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model.weight.detach()
+
+
+def _wrong_loops() -> list[str]:
+    reference = _one_process()
+    return [name for name in _LOOPS if not torch.allclose(_train(name), reference, atol=1e-6)]
+
+
+def _as_loop_answer(value: Any) -> tuple[str, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not isinstance(value[0], str):
+        raise TypeError('a pair (letter, reason), e.g. ("A", 2)')
+    return value[0].strip().upper(), as_int(value[1])
+
+
+def check_wrong_dp_loop(answer: Any) -> CheckResult:
+    """Check the spotted loop against running all three on emulated ranks, and the reason against it."""
+    wrong = _wrong_loops()
+    assert wrong == ["B"], wrong  # the library's own sanity: exactly one loop leaves one process's parameters
+    expected = ("B", 1)
+
+    def hint(got: tuple[str, int]) -> str:
+        letter, _ = got
+        if letter == "C":
+            return ("C divides the loss by world_size and then sums world_size gradients: that is the mean. "
+                    "Run it: its parameters equal one process's")
+        if letter == "A":
+            return "A is chapter 01's loop: average, then step"
+        if letter == "B":
+            return f"B is the one; reason {got[1]} ({_REASONS.get(got[1], '?')}) is not what goes wrong"
+        return "the letter is A, B or C"
+
+    def compare(want: tuple[str, int], got: tuple[str, int]) -> Optional[str]:  # never reveal the answer
+        if got == want:
+            return None
+        return f"{got} is not right: {'the reason' if got[0] == want[0] else 'the loop'} is wrong"
+
+    return check_value("wrong_dp_loop", answer, "wrong_dp_loop", expected, normalise=_as_loop_answer,
+                       compare=compare, hint=hint)
+
+
 EXERCISES = [
-    Exercise("partition_indices", check_partition_indices, PARTITION_STUB, solutions.partition_indices),
-    Exercise("local_batch_size", check_local_batch_size, LOCAL_BATCH_STUB, solutions.local_batch_size),
-    Exercise("steps_per_epoch", check_steps_per_epoch, STEPS_STUB, solutions.steps_per_epoch),
+    Exercise("partition_indices", check_partition_indices, PARTITION_STUB, solution("partition_indices"),
+             "Write `partition_indices(n, world_size, seed)`: shuffle the example indices with `seed` and cut "
+             "them into `world_size` partitions that lose no example (the article's `int(size * len)` drops "
+             "one of 10 over 3 ranks)."),
+    Exercise("local_batch_size", check_local_batch_size, LOCAL_BATCH_STUB, solution("local_batch_size"),
+             "Write `local_batch_size(global_batch_size, world_size)`: the examples each rank loads per step, "
+             "and a ValueError when the global batch does not split evenly."),
+    Exercise("steps_per_epoch", check_steps_per_epoch, STEPS_STUB, solution("steps_per_epoch"),
+             "Write `steps_per_epoch(n, world_size, global_batch_size, drop_last)`: the optimizer steps of one "
+             "epoch when the ranks share `n` examples as `partition_dataset` does."),
+    Exercise("wrong_dp_loop", check_wrong_dp_loop, WRONG_LOOP_STUB, solution("WRONG_DP_LOOP"),
+             "Spot the wrong loop. Each rank runs one of these on its own part of the global batch:\n\n"
+             + "\n".join(f"- **{k}**: `{v}`" for k, v in _LOOPS.items())
+             + "\n\nOnly one of them leaves the parameters of one process trained on the whole batch. Which, and "
+             "why? The checker runs all three before it compares."),
 ]

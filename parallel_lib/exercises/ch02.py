@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.data_parallel.allreduce import average_gradients
 from parallel_lib.data_parallel.ring import ring_steps
-from parallel_lib.exercises import solutions
 from parallel_lib.exercises._core import (
+    solution,
     Case,
     CheckResult,
     Exercise,
@@ -36,6 +35,7 @@ from parallel_lib.exercises._core import (
     stub_result,
 )
 from parallel_lib.exercises._shipping import ShippedFunction, ship
+from parallel_lib.exercises.ch02_overlap import OVERLAP_STUB, check_bucketed_allreduce
 from parallel_lib.runtime.launcher import LaunchTimeoutError, RankError, launch
 
 __all__ = ["check_average_gradients", "check_ring_bytes_sent", "check_ring_send_chunk", "EXERCISES"]
@@ -235,7 +235,17 @@ def check_ring_send_chunk(fn: Any) -> CheckResult:
 
 
 EXERCISES = [
-    Exercise("average_gradients", check_average_gradients, AVERAGE_GRADIENTS_STUB, average_gradients),
-    Exercise("ring_bytes_sent", check_ring_bytes_sent, RING_BYTES_STUB, solutions.ring_bytes_sent),
-    Exercise("ring_send_chunk", check_ring_send_chunk, RING_CHUNK_STUB, solutions.ring_send_chunk),
+    Exercise("average_gradients", check_average_gradients, AVERAGE_GRADIENTS_STUB, solution("average_gradients"),
+             "Write `average_gradients(model)` in this notebook and watch it run on 3 real gloo ranks: the "
+             "checker ships your cell to them. It must survive a frozen layer (a parameter without `.grad`)."),
+    Exercise("bucketed_allreduce", check_bucketed_allreduce, OVERLAP_STUB, solution("attach_bucketed_allreduce"),
+             "Overlap communication with backward: write `attach_bucketed_allreduce(model, bucket_bytes)`, which "
+             "hooks the parameters so that buckets of gradients are all-reduced while `loss.backward()` still "
+             "runs. The checker runs it on 3 gloo ranks and notes when each all-reduce starts."),
+    Exercise("ring_bytes_sent", check_ring_bytes_sent, RING_BYTES_STUB, solution("ring_bytes_sent"),
+             "Write `ring_bytes_sent(nbytes, world_size)`: the bytes each rank sends in a ring all-reduce, from "
+             "the two phases you watched above."),
+    Exercise("ring_send_chunk", check_ring_send_chunk, RING_CHUNK_STUB, solution("ring_send_chunk"),
+             "Write `ring_send_chunk(rank, step, world_size)`: which chunk a rank passes on at each step of the "
+             "ring, through both phases."),
 ]

@@ -1,4 +1,5 @@
-"""Exercises for chapter 04: GPipe's clock cycles, the bubble, and one stage's 1F1B order."""
+"""Exercises for chapter 04: the bubble, a micro-batch count that meets a bubble target in the simulator,
+and one stage's 1F1B order (``check_clock_cycles`` remains for GPipe's clock cycles)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import itertools
 import re
 from typing import Any, Optional
 
-from parallel_lib.exercises import solutions
 from parallel_lib.exercises._core import (
+    solution,
     Case,
     CheckResult,
     Exercise,
@@ -18,14 +19,27 @@ from parallel_lib.exercises._core import (
     same_number,
     show,
 )
-from parallel_lib.pipeline_parallel.schedule import Action, _clock_cycles, bubble_fraction, gpipe, one_f_one_b
+from parallel_lib.common.timeline import idle_fraction
+from parallel_lib.pipeline_parallel.schedule import Action, _clock_cycles, bubble_fraction, gpipe, one_f_one_b, simulate
 
-__all__ = ["check_clock_cycles", "check_pipeline_bubble", "check_one_f_one_b_order", "EXERCISES"]
+__all__ = ["check_clock_cycles", "check_pipeline_bubble", "check_micro_batches_for_bubble", "check_one_f_one_b_order",
+           "EXERCISES"]
 
 CLOCK_CYCLES_STUB = '''\
 def _clock_cycles(num_batches, num_partitions):
     """Yield, for each clock tick k, the list of (micro_batch i, partition j) pairs that run at tick k
     in GPipe's forward pass (micro-batch i reaches partition j at tick i + j)."""
+    ...  # your code here
+'''
+
+TARGET_STUB = '''\
+def micro_batches_for_bubble(p, target, stage_costs):
+    """The fewest micro-batches m for which a 1F1B step of `p` stages idles at most `target` of the time.
+
+    `stage_costs` is one (forward, backward) time per stage; the stages are NOT equal, so measure
+    in the simulator: simulate(one_f_one_b(p, m), stage_costs) and idle_fraction(events)
+    (from parallel_lib.pipeline_parallel and parallel_lib.common.timeline).
+    """
     ...  # your code here
 '''
 
@@ -40,9 +54,8 @@ ONE_F_ONE_B_STUB = '''\
 def one_f_one_b_order(stage, num_stages, num_micro_batches):
     """The order in which `stage` runs its work in a 1F1B schedule, as strings like "F0" and "B0".
 
-    Warm-up: min(num_stages - 1 - stage, num_micro_batches) forwards; then, while forwards
-    remain, one forward followed by one backward; then the remaining backwards.
-    Micro-batches are numbered from 0 and run in order within each kind.
+    Work the rule out from the 1F1B schedules printed in this chapter (4 stages, 6 micro-batches)
+    and the animation: it must hold for any number of stages and micro-batches.
     """
     ...  # your code here
 '''
@@ -128,8 +141,52 @@ def check_one_f_one_b_order(fn: Any) -> CheckResult:
     return check_function("one_f_one_b_order", fn, "one_f_one_b_order", cases, normalise=_as_order, hint=_order_hint)
 
 
+_MAX_M = 512  # the checker's targets are all met well below this
+
+
+def _simulated_bubble(p: int, m: int, stage_costs: Any) -> float:
+    return idle_fraction(simulate(one_f_one_b(p, m), stage_costs))
+
+
+def _fewest_micro_batches(p: int, target: float, stage_costs: Any) -> int:
+    return next(m for m in range(1, _MAX_M + 1) if _simulated_bubble(p, m, stage_costs) <= target)
+
+
+def _target_hint(args: tuple, got: Any) -> str:
+    p, target, costs = args
+    if not isinstance(got, int) or got < 1:
+        return ""
+    formula = next(m for m in range(1, _MAX_M + 1) if bubble_fraction(p, m) <= target)
+    if got == formula:
+        return ("(p-1)/(m+p-1) assumes equal stages; with these costs the slowest stage sets the pace and the "
+                "others wait: simulate the schedule and measure idle_fraction")
+    bubble = _simulated_bubble(p, got, costs)
+    if bubble > target:
+        return f"with m={got} the simulated step idles {bubble:.1%} > {target:.1%}: more micro-batches"
+    return f"m={got - 1} already idles {_simulated_bubble(p, got - 1, costs):.1%} <= {target:.1%}: fewer will do"
+
+
+def check_micro_batches_for_bubble(fn: Any) -> CheckResult:
+    """Check ``micro_batches_for_bubble(p, target, stage_costs)`` against ``simulate`` + ``idle_fraction``."""
+    shapes = [(2, 0.2, [(1.0, 2.0), (1.0, 2.0)]), (4, 0.25, [(1.0, 2.0)] * 4),
+              (4, 0.45, [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (2.0, 4.0)]),
+              (3, 0.4, [(2.0, 4.0), (1.0, 2.0), (1.0, 2.0)]), (1, 0.0, [(1.0, 2.0)])]
+    cases = [Case(shape, _fewest_micro_batches(*shape)) for shape in shapes]
+    return check_function("micro_batches_for_bubble", fn, "micro_batches_for_bubble", cases, normalise=as_int,
+                          hint=_target_hint)
+
+
+# clock_cycles stays importable (check_clock_cycles) but is no exercise: chapter 04 prints it.
 EXERCISES = [
-    Exercise("clock_cycles", check_clock_cycles, CLOCK_CYCLES_STUB, _clock_cycles),
-    Exercise("pipeline_bubble", check_pipeline_bubble, BUBBLE_STUB, bubble_fraction),
-    Exercise("one_f_one_b_order", check_one_f_one_b_order, ONE_F_ONE_B_STUB, solutions.one_f_one_b_order),
+    Exercise("pipeline_bubble", check_pipeline_bubble, BUBBLE_STUB, solution("pipeline_bubble"),
+             "Write `pipeline_bubble(p, m)`: the share of a GPipe step each of `p` equal stages sits idle with "
+             "`m` micro-batches. Derive it from the picture of the schedule, not from the text."),
+    Exercise("micro_batches_for_bubble", check_micro_batches_for_bubble, TARGET_STUB,
+             solution("micro_batches_for_bubble"),
+             "Write `micro_batches_for_bubble(p, target, stage_costs)`: the fewest micro-batches that bring a "
+             "1F1B step with unequal stages under an idle `target`, measured in the simulator. When does the "
+             "formula (p-1)/(m+p-1) give the wrong answer?"),
+    Exercise("one_f_one_b_order", check_one_f_one_b_order, ONE_F_ONE_B_STUB, solution("one_f_one_b_order"),
+             "Write `one_f_one_b_order(stage, num_stages, num_micro_batches)`: the order in which one stage runs "
+             "its forwards and backwards under 1F1B."),
 ]

@@ -5,8 +5,9 @@ Each function has the signature of its stub cell and uses only Python, ``math`` 
 these: they compare against the library's own functions (``ring_chunks``,
 ``get_device_map``, ``training_memory``, ...), so the test suite that runs every checker
 on these solutions also checks that two independent writings of each idea agree.
-Where the library function *is* the answer (``average_gradients``, ``_clock_cycles``,
-``pipeline_bubble``), the registry uses it directly.
+Every exercise's answer is here, ``average_gradients``, ``_clock_cycles`` and ``pipeline_bubble``
+included (their checkers compare with the library's own versions). A graded lab removes this
+file (``python -m parallel_lib.exercises hide-solutions``); the checkers do not need it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION", "partition_indices", "local_batch_size", "steps_per_epoch",
-           "ring_bytes_sent", "ring_send_chunk", "balanced_device_map", "training_bytes", "one_f_one_b_order",
-           "bytes_per_device", "plan_parallelism"]
+__all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
+           "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
+           "average_gradients", "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk",
+           "balanced_device_map", "device_map_under_limit", "training_bytes",
+           "_clock_cycles", "pipeline_bubble", "one_f_one_b_order", "micro_batches_for_bubble",
+           "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -53,7 +57,61 @@ def steps_per_epoch(n: int, world_size: int, global_batch_size: int, drop_last: 
     return math.ceil(per_rank / local_batch_size(global_batch_size, world_size))
 
 
+# B steps before it averages: each replica updates with its own gradient, and the copies drift
+# apart. C is right: (loss / N) summed over N ranks is the mean, exactly what A computes.
+WRONG_DP_LOOP = ("B", 1)
+
+
 # --------------------------------------------------------------------------- chapter 02
+def average_gradients(model) -> None:
+    import torch.distributed as dist
+    world_size = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is None:  # a frozen layer, or one this batch did not reach
+            continue
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad /= world_size
+
+
+def attach_bucketed_allreduce(model, bucket_bytes: int):
+    import torch.distributed as dist
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets, current, size = [], [], 0
+    for p in reversed(params):  # backward produces the last layers' gradients first
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+    ready, handles = [0] * len(buckets), []
+
+    def hook(p):  # runs during backward, once p.grad is complete
+        i = bucket_of[id(p)]
+        ready[i] += 1
+        if ready[i] == len(buckets[i]):  # the bucket is full: reduce it while backward goes on
+            flat = torch.cat([q.grad.flatten() for q in buckets[i]])
+            handles.append((i, flat, dist.all_reduce(flat, async_op=True)))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for i, flat, handle in handles:
+            handle.wait()
+            flat /= dist.get_world_size()
+            offset = 0
+            for q in buckets[i]:
+                q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+        handles.clear()
+        ready[:] = [0] * len(buckets)
+
+    return finish
+
+
 def ring_bytes_sent(nbytes: float, world_size: int) -> float:
     # 2(N-1) steps (reduce-scatter, then all-gather), one chunk of S/N bytes each
     return 2 * (world_size - 1) * nbytes / world_size
@@ -77,6 +135,21 @@ def balanced_device_map(n_layers: int, n_devices: int) -> dict[int, list[int]]:
     return device_map
 
 
+def device_map_under_limit(layer_bytes: list[float], capacity: float) -> dict[int, list[int]]:
+    # greedy in order: a device takes layers until the next one would overflow it. Whole layers
+    # leave a gap at the end of each device, which is why ceil(total / capacity) can be too few.
+    if max(layer_bytes) > capacity:
+        raise ValueError(f"a layer of {max(layer_bytes)} bytes does not fit in {capacity}")
+    device_map, used = {0: []}, 0.0
+    for position, size in enumerate(layer_bytes):
+        if used + size > capacity:
+            device_map[len(device_map)], used = [], 0.0
+        if 0 < position < len(layer_bytes) - 1:  # a block (not the embedding, not the head)
+            device_map[len(device_map) - 1].append(position - 1)
+        used += size
+    return device_map
+
+
 def training_bytes(n_params: int, dtype: str = "fp16", optimizer: Optional[str] = "adamw") -> float:
     width = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
     if optimizer is None:  # inference: the weights only
@@ -95,14 +168,42 @@ def one_f_one_b_order(stage: int, num_stages: int, num_micro_batches: int) -> li
     return order + [f"B{i}" for i in range(num_micro_batches - warmup, num_micro_batches)]
 
 
+def _clock_cycles(num_batches: int, num_partitions: int):
+    for k in range(num_batches + num_partitions - 1):  # micro-batch i reaches partition j at tick i + j
+        yield [(k - j, j) for j in range(num_partitions) if 0 <= k - j < num_batches]
+
+
+def pipeline_bubble(p: int, m: int) -> float:
+    # a step lasts m + p - 1 slots; each stage works m of them
+    return (p - 1) / (m + p - 1)
+
+
+def micro_batches_for_bubble(p: int, target: float, stage_costs) -> int:
+    from parallel_lib.common.timeline import idle_fraction
+    from parallel_lib.pipeline_parallel import one_f_one_b, simulate
+    m = 1  # more micro-batches only shrink the bubble: the first m that meets the target is the fewest
+    while idle_fraction(simulate(one_f_one_b(p, m), stage_costs)) > target:
+        m += 1
+    return m
+
+
 # --------------------------------------------------------------------------- chapter 05
 def bytes_per_device(n_params: int, pipeline_stages: int, data_replicas: int) -> float:
     # every replica holds the whole model; a replica's stages share it (16 bytes/param, fp16 Adam)
     return 16 * n_params / pipeline_stages
 
 
-def plan_parallelism(n_params: int, gpu_bytes: float, n_gpus: int) -> Optional[tuple[int, int]]:
-    stages = max(1, math.ceil(16 * n_params / gpu_bytes))  # fewest GPUs that hold one copy
-    if stages > n_gpus:
-        return None
-    return stages, n_gpus // stages
+def plan_parallelism(fits, n_gpus: int, n_layers: int) -> Optional[tuple[int, int]]:
+    # the bubble (p-1)/(m+p-1) grows with p: try the fewest stages first; every GPU left over is
+    # another replica, and fits must be asked with those replicas (each then holds less of the batch)
+    for stages in range(1, min(n_gpus, n_layers) + 1):
+        if fits(stages, n_gpus // stages):
+            return stages, n_gpus // stages
+    return None
+
+
+def ring_exchange_order(rank: int, world_size: int) -> list[tuple[str, int]]:
+    # if all send first, all wait; rank 0 receiving first breaks the cycle: rank N-1's send
+    # completes, then N-2's, ..., then rank 0 sends last
+    send, recv = ("send", (rank + 1) % world_size), ("recv", (rank - 1) % world_size)
+    return [recv, send] if rank == 0 else [send, recv]

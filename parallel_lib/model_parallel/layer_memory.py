@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 from parallel_lib.common.checks import check_choice, check_number
 from parallel_lib.model_parallel.memory import DTYPE_BYTES
 
-__all__ = ["DecoderShape", "DECODER_SHAPES", "layer_parameters", "device_bytes", "pack_layers",
+__all__ = ["DecoderShape", "DECODER_SHAPES", "layer_parameters", "device_bytes", "pack_layers", "pack_layer_bytes",
            "kv_cache_bytes_per_token"]
 
 
@@ -105,27 +105,42 @@ def device_bytes(model: str | DecoderShape, device_map: Mapping[object, Sequence
 def pack_layers(model: str | DecoderShape, capacity: float, bytes_per_parameter: float) -> dict[int, list[int]]:
     """The fewest devices of ``capacity`` bytes that hold the model with whole layers, in order.
 
-    The layers go in order (embedding, blocks, head) and each device takes layers until the next
-    would overflow it: for layers that must stay consecutive, this greedy filling needs no more
-    devices than any other map. The embedding counts on device 0 and the head on the last device
-    (which may then hold the head alone: its block list is empty).
+    :func:`pack_layer_bytes` on the model's layers at ``bytes_per_parameter`` bytes each.
 
     Raises:
         ValueError: a non-positive size, or a layer larger than ``capacity``.
     """
-    check_number("capacity", capacity, 0, strict=True)
     check_number("bytes_per_parameter", bytes_per_parameter, 0, strict=True)
-    layers = [(name, n * bytes_per_parameter) for name, n in layer_parameters(model)]
+    return pack_layer_bytes([n * bytes_per_parameter for _, n in layer_parameters(model)], capacity)
+
+
+def pack_layer_bytes(layer_bytes: Sequence[float], capacity: float) -> dict[int, list[int]]:
+    """``{device: [block indices]}`` on the fewest devices of ``capacity`` bytes, layers whole and in order.
+
+    ``layer_bytes`` is ``[embedding, block 0, ..., block n-1, head]``. The layers go in order and
+    each device takes layers until the next would overflow it: for layers that must stay
+    consecutive, this greedy filling needs no more devices than any other map. The embedding counts
+    on device 0 and the head on the last device (which may then hold the head alone: its block list
+    is empty).
+
+    Raises:
+        ValueError: fewer than two entries, a non-positive capacity, or a layer larger than ``capacity``.
+    """
+    check_number("capacity", capacity, 0, strict=True)
+    if len(layer_bytes) < 2:
+        raise ValueError(f"layer_bytes must list the embedding, the blocks and the head, got {list(layer_bytes)}")
     device_map: dict[int, list[int]] = {0: []}
     used = 0.0
-    for position, (name, size) in enumerate(layers):
+    last = len(layer_bytes) - 1
+    for position, size in enumerate(layer_bytes):
+        name = "embedding" if position == 0 else "head" if position == last else f"block {position - 1}"
         if size > capacity:
             raise ValueError(f"capacity={capacity:.4g} bytes cannot hold the {name} ({size:.4g} bytes) alone; "
                              "choose larger devices or a smaller bytes_per_parameter")
         if used + size > capacity:
             device_map[len(device_map)] = []
             used = 0.0
-        if name.startswith("block "):
+        if 0 < position < last:
             device_map[len(device_map) - 1].append(position - 1)
         used += size
     return device_map

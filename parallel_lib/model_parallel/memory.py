@@ -151,7 +151,7 @@ def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str]
 
 
 def activation_memory(batch_size: int, seq_len: int, hidden: int, n_heads: int, n_layers: int,
-                      attention_scores: bool = True) -> float:
+                      attention_scores: bool = True, recompute: bool = False) -> float:
     """Bytes of activations kept for the backward pass, 16-bit training.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -163,6 +163,11 @@ def activation_memory(batch_size: int, seq_len: int, hidden: int, n_heads: int, 
     counted: embeddings, final logits, and architecture changes (LLaMA's SwiGLU MLP
     stores somewhat more than GPT's 4h MLP).
 
+    ``recompute=True`` is full activation recomputation (``torch.utils.checkpoint`` around each
+    block; Korthikanti et al. sec. 5): every layer keeps only its 16-bit input, ``2*s*b*h`` bytes,
+    and the backward pass rebuilds one layer's activations at a time, so one layer's full
+    ``s*b*h*(34 + ...)`` comes on top.
+
     Raises:
         ValueError: a size below 1.
     """
@@ -172,6 +177,8 @@ def activation_memory(batch_size: int, seq_len: int, hidden: int, n_heads: int, 
         raise ValueError(f"sizes must be >= 1, got {bad}")
     s, b, h, a = seq_len, batch_size, hidden, n_heads
     per_layer = s * b * h * (34 + (5 * a * s / h if attention_scores else 0))
+    if recompute:
+        return float(n_layers * 2 * s * b * h + per_layer)
     return float(n_layers * per_layer)
 
 

@@ -3,7 +3,16 @@ comparison behind the article's table 3.
 """
 
 from parallel_lib.planner.compare import CLASSIC, CompareConfig, Measured, markdown_table, measure
-from parallel_lib.planner.strategy import STRATEGIES, WHEN_TO_USE, Option, Plan, p2p_bytes, plan, ring_bytes
+from parallel_lib.planner.strategy import (
+    STRATEGIES,
+    WHEN_TO_USE,
+    Option,
+    Plan,
+    fewest_stages,
+    p2p_bytes,
+    plan,
+    ring_bytes,
+)
 
 __all__ = [
     "CompareConfig",
@@ -16,6 +25,7 @@ __all__ = [
     "Option",
     "Plan",
     "plan",
+    "fewest_stages",
     "ring_bytes",
     "p2p_bytes",
 ]

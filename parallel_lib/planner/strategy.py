@@ -20,8 +20,8 @@ Communication is in bytes each device *sends* per step (the busiest device);
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence, Union
 
 from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.data_parallel.ring import allreduce_cost
@@ -36,7 +36,7 @@ from parallel_lib.model_parallel.memory import (
 )
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, bubble_fraction
 
-__all__ = ["STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "ring_bytes", "p2p_bytes"]
+__all__ = ["STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "fewest_stages", "ring_bytes", "p2p_bytes"]
 
 STRATEGIES = ("DP", "MP", "PP", "DP×PP")
 # The rule of thumb behind each row of the comparison table; the planner's numbers back it.
@@ -78,6 +78,7 @@ class Option:
     comm_seconds: float            # both, at the plan's link bandwidth
     feasible: bool
     reasons: tuple[str, ...] = field(default=())
+    recompute: bool = False        # activation recomputation (torch.utils.checkpoint per block)
 
     @property
     def memory_bytes(self) -> float:
@@ -93,8 +94,12 @@ class Option:
 
     @property
     def busy_devices(self) -> float:
-        """Devices' worth of useful compute: ``devices * (1 - bubble)``."""
-        return self.devices * (1 - self.bubble)
+        """Devices' worth of useful compute: ``devices * (1 - bubble)``, x 3/4 under recomputation.
+
+        Backward costs about twice the forward; recomputing the forward makes a step 4 units of
+        work instead of 3 (Korthikanti et al. 2022, sec. 5: "about 33% overhead").
+        """
+        return self.devices * (1 - self.bubble) * (0.75 if self.recompute else 1.0)
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,27 @@ class Plan:
     n_gpus: int
     bandwidth: float
     options: tuple[Option, ...]
+    inputs: "_Inputs" = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+
+    def fits(self, stages: int, replicas: int) -> bool:
+        """Whether ``replicas`` copies of the model, each split over ``stages`` GPUs, fit (no recomputation).
+
+        One stage is data parallelism (with gradient accumulation when allowed); a pipeline runs its
+        micro-batches. This is the test behind the DP×PP option and :attr:`layout`.
+        """
+        positive_int("stages", stages)
+        positive_int("replicas", replicas)
+        return self.inputs.fits(stages, replicas) is not None
+
+    @property
+    def layout(self) -> Optional[tuple[int, int]]:
+        """``(stages, replicas)``: the fewest stages that fit, as many replicas as the GPUs allow; None if none.
+
+        Fewer stages mean a smaller bubble and less traffic between stages; every GPU left goes to
+        another replica. Chapter 05's exercise is checked against this very search.
+        """
+        found = self.inputs.search(1, 1)
+        return None if found is None or found.recompute else (found.stages, found.replicas)
 
     @property
     def best(self) -> Optional[Option]:
@@ -128,11 +154,12 @@ class Plan:
         lines = [f"{self.model}, {self.seq_len} tokens x {self.batch_size} sequences per step, "
                  f"{self.n_gpus} GPU(s) of {self.gpu_bytes / GiB:g} GiB, links {self.bandwidth / 1e9:g} GB/s",
                  f"{'strategy':<8} {'layout':>9} {'m':>3} {'GiB/device':>10} {'fits':>4} {'bubble':>6} "
-                 f"{'GB sent/device':>14} {'comm s':>7} {'busy GPUs':>9}"]
+                 f"{'GB sent/device':>14} {'comm s':>7} {'busy GPUs':>9} {'recompute':>9}"]
         for o in self.options:
             lines.append(f"{o.strategy:<8} {f'{o.replicas}x{o.stages}':>9} {o.micro_batches:>3} "
                          f"{o.memory_bytes / GiB:>10.1f} {'yes' if o.feasible else 'no':>4} {o.bubble:>6.0%} "
-                         f"{o.comm_bytes / 1e9:>14.3f} {o.comm_seconds:>7.3f} {o.busy_devices:>9.1f}")
+                         f"{o.comm_bytes / 1e9:>14.3f} {o.comm_seconds:>7.3f} {o.busy_devices:>9.1f} "
+                         f"{'yes' if o.recompute else 'no':>9}")
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -147,10 +174,28 @@ class Plan:
             lines.append("No strategy fits: add GPUs, use larger ones, shorten the sequences or shrink the batch.")
         else:
             lines.append(f"Pick: {best.strategy}, {best.replicas} x {best.stages}: the most useful compute, "
-                         f"{best.devices} GPU(s) x (1 - bubble {best.bubble:.0%}) = "
+                         f"{best.devices} GPU(s) x (1 - bubble {best.bubble:.0%})"
+                         f"{' x 3/4 (recomputation)' if best.recompute else ''} = "
                          f"{best.busy_devices:.1f} GPUs' worth "
                          f"({WHEN_TO_USE[best.strategy]}).")
         return "\n".join(lines)
+
+
+def fewest_stages(fits: Callable[[int, int], bool], n_gpus: int, n_layers: int, min_stages: int = 1,
+                  min_replicas: int = 1) -> Optional[tuple[int, int]]:
+    """``(stages, replicas)``: the fewest stages for which ``fits(stages, n_gpus // stages)``; None if none.
+
+    Fewer stages mean a smaller bubble and fewer hand-overs; the GPUs left over go to more
+    replicas, which also shrink each replica's share of the batch (so ``fits`` is asked with the
+    replicas it would really have). A stage holds one block at least: at most ``n_layers`` stages.
+    """
+    for stages in range(min_stages, min(n_gpus, n_layers) + 1):
+        replicas = n_gpus // stages
+        if replicas < min_replicas:
+            break
+        if fits(stages, replicas):
+            return stages, replicas
+    return None
 
 
 @dataclass(frozen=True)
@@ -168,78 +213,138 @@ class _Inputs:
     bandwidth: float
     attention_scores: bool
     include_activations: bool
+    accumulate: bool
+    recompute: bool
+    micro_batches: Optional[int]
 
     def cost(self, strategy: str, replicas: int, stages: int, micro_batches: int,
-             notes: Sequence[str] = (), blocker: str = "") -> Option:
-        """The option for ``replicas`` x ``stages``; ``blocker`` (a reason) makes it infeasible."""
+             notes: Sequence[str] = (), blocker: str = "", recompute: bool = False) -> Option:
+        """The option for ``replicas`` x ``stages``; ``blocker`` (a reason) makes it infeasible.
+
+        DP and MP run their micro-batches one after another (gradient accumulation): a device keeps
+        one micro-batch's activations. A pipeline keeps all m (GPipe) or at most p (1F1B) of them.
+        """
         s, width = self.shape, DTYPE_BYTES[self.dtype]
         memory = training_memory(s.n_params, self.dtype, self.optimizer)
         rows = math.ceil(self.batch_size / replicas)  # sequences of the busiest replica
         m = min(micro_batches, rows)  # a micro-batch holds one sequence at least
-        held = min(rows, math.ceil(rows / m) * (m if self.schedule == "gpipe" else min(stages, m)))
+        sequential = strategy in ("DP", "MP")
+        kept = 1 if sequential else (m if self.schedule == "gpipe" else min(stages, m))
+        held = min(rows, math.ceil(rows / m) * kept)
         layers = math.ceil(s.n_layers / stages)  # the busiest stage's blocks
         acts = 0.0
         if self.include_activations:  # 16-bit values in activation_memory: scaled as memory.model_memory does
-            acts = activation_memory(held, self.seq_len, s.hidden, s.n_heads, layers, self.attention_scores) * width / 2
+            acts = activation_memory(held, self.seq_len, s.hidden, s.n_heads, layers, self.attention_scores,
+                                     recompute) * width / 2
         state, grads = memory.per_device(stages), memory.gradients / stages
         allreduce = ring_bytes(grads, replicas)
         p2p = p2p_bytes(rows * self.seq_len * s.hidden * width, stages)
         seconds = allreduce_cost(grads, replicas, self.bandwidth, 0.0) + p2p / self.bandwidth
-        bubble = bubble_fraction(stages, m)
+        bubble = bubble_fraction(stages, 1 if strategy == "MP" else m)
         fits = state + acts <= self.gpu_bytes
         why = [blocker] if blocker else []
         why.append(f"{state / GiB:.1f} GiB of training state ({memory.total / s.n_params:g} bytes/parameter x "
                    f"{s.n_params / 1e9:.2f} B parameters / {stages} stage(s)) + {acts / GiB:.1f} GiB of activations "
-                   f"({held} sequence(s) x {layers} block(s)) = {(state + acts) / GiB:.1f} GiB "
-                   f"{'<=' if fits else '>'} {self.gpu_bytes / GiB:g} GiB per GPU")
+                   f"({held} sequence(s) x {layers} block(s){', recomputed' if recompute else ''}) = "
+                   f"{(state + acts) / GiB:.1f} GiB {'<=' if fits else '>'} {self.gpu_bytes / GiB:g} GiB per GPU")
+        if sequential and m > 1:
+            why.append(f"gradient accumulation: {m} micro-batches of at most {math.ceil(rows / m)} sequence(s), "
+                       "one after another, one optimizer step")
+        if recompute:
+            why.append("activation recomputation: each block keeps only its input and runs its forward again "
+                       "in backward (4 instead of 3 units of compute: x 3/4 useful)")
         why += notes
         if stages > 1:
-            why.append(f"bubble (p-1)/(m+p-1) = ({stages}-1)/({m}+{stages}-1) = {bubble:.0%}; the busiest stage "
-                       f"sends {p2p / 1e9:.3f} GB of hidden states and their gradients per step")
+            why.append(f"bubble (p-1)/(m+p-1) = ({stages}-1)/({1 if strategy == 'MP' else m}+{stages}-1) = "
+                       f"{bubble:.0%}; the busiest stage sends {p2p / 1e9:.3f} GB of hidden states and their "
+                       "gradients per step")
         if replicas > 1:
             why.append(f"ring all-reduce of {grads / 1e9:.3f} GB of gradients over {replicas} replicas: "
                        f"2(N-1)/N x S = {allreduce / 1e9:.3f} GB sent per GPU per step")
         why.append(f"communication {seconds * 1e3:.1f} ms per step at {self.bandwidth / 1e9:g} GB/s")
         return Option(strategy, replicas, stages, m, state, acts, bubble, allreduce, p2p, seconds,
-                      fits and not blocker, tuple(why))
+                      fits and not blocker, tuple(why), recompute)
 
-    def options(self, micro_batches: Optional[int]) -> tuple[Option, ...]:
+    def pipeline_micro_batches(self, stages: int) -> int:
+        return self.micro_batches or 4 * stages
+
+    def fit(self, strategy: str, replicas: int, stages: int, notes: Sequence[str] = (), blocker: str = "",
+            recompute: bool = False) -> Option:
+        """The cheapest way ``strategy`` runs on ``replicas`` x ``stages``, or its plain (infeasible) option.
+
+        A pipeline runs its ``micro_batches`` (default 4p); DP and MP start with one micro-batch and,
+        if ``accumulate``, split it into the fewest micro-batches whose activations fit.
+        """
+        sequential = strategy in ("DP", "MP")
+        first = (self.micro_batches or 1) if sequential else self.pipeline_micro_batches(stages)
+        option = self.cost(strategy, replicas, stages, first, notes, blocker, recompute)
+        if option.feasible or blocker or not (sequential and self.accumulate):
+            return option
+        rows = math.ceil(self.batch_size / replicas)
+        for per_micro_batch in range(math.ceil(rows / option.micro_batches) - 1, 0, -1):  # fewest steps first
+            accumulated = self.cost(strategy, replicas, stages, math.ceil(rows / per_micro_batch), notes, blocker,
+                                    recompute)
+            if accumulated.feasible:
+                return accumulated
+        return option
+
+    def fits(self, stages: int, replicas: int, recompute: bool = False) -> Optional[Option]:
+        """The feasible option of ``replicas`` copies of a ``stages``-stage split, or None."""
+        strategy = "DP" if stages == 1 else ("PP" if replicas == 1 else "DP×PP")
+        option = self.fit(strategy, replicas, stages, recompute=recompute)
+        return option if option.feasible else None
+
+    def search(self, min_stages: int, min_replicas: int) -> Optional[Option]:
+        """:func:`fewest_stages` under this plan's memory test; recomputation only if nothing fits without."""
+        for recompute in (False, True) if self.recompute else (False,):
+            found = fewest_stages(lambda stages, replicas: self.fits(stages, replicas, recompute) is not None,
+                                  self.n_gpus, self.shape.n_layers, min_stages, min_replicas)
+            if found is not None:
+                return self.fits(*found, recompute)
+        return None
+
+    def options(self) -> tuple[Option, ...]:
         n, split = self.n_gpus, min(self.n_gpus, self.shape.n_layers)
 
-        def m(stages: int) -> int:
-            return micro_batches or 4 * stages
+        def fit(strategy: str, replicas: int, stages: int, notes: Sequence[str] = (), blocker: str = "") -> Option:
+            option = self.fit(strategy, replicas, stages, notes, blocker)
+            if option.feasible or blocker or not self.recompute:
+                return option
+            recomputed = self.fit(strategy, replicas, stages, notes, blocker, recompute=True)
+            return recomputed if recomputed.feasible else option
 
         idle = [f"the batch of {self.batch_size} sequences feeds only {self.batch_size} of {n} GPUs"
                 if self.batch_size < n else "no bubble: every GPU computes the whole step"]
-        dp = self.cost("DP", min(n, self.batch_size), 1, 1, idle)
+        dp = fit("DP", min(n, self.batch_size), 1, idle)
         short = []
         if split < n:
             short.append(f"{self.shape.n_layers} blocks make at most {split} stages: {n - split} GPU(s) idle")
         cannot = "one GPU cannot be split into stages" if split < 2 else ""
-        mp = self.cost("MP", 1, split, 1, short + ["one micro-batch: one stage computes at a time"], cannot)
-        pp = self.cost("PP", 1, split, m(split), short, cannot)
-        for stages in range(2, split + 1):  # the fewest stages that hold a replica, replicated n // stages times
-            replicas = n // stages
-            if replicas < 2:
-                break
-            option = self.cost("DP×PP", replicas, stages, m(stages),
-                               [f"{stages} stages are the fewest that hold a replica; {n} GPUs hold {replicas}"])
-            if option.feasible:
-                return dp, mp, pp, option
+        mp = fit("MP", 1, split, short + ["one stage computes at a time"], cannot)
+        pp = fit("PP", 1, split, short, cannot)
+        hybrid = self.search(2, 2)  # the fewest stages that hold a replica, replicated n // stages times
+        if hybrid is not None:
+            note = f"{hybrid.stages} stages are the fewest that hold a replica; {n} GPUs hold {hybrid.replicas}"
+            return dp, mp, pp, replace(hybrid, reasons=hybrid.reasons + (note,))
         blocker = f"fewer than 2 replicas of a pipeline that fits find room on {n} GPU(s)"
-        return dp, mp, pp, self.cost("DP×PP", 1, max(split, 1), m(split), (), blocker)
+        return dp, mp, pp, self.cost("DP×PP", 1, max(split, 1), self.pipeline_micro_batches(split), (), blocker)
 
 
 def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int,
          dtype: str = "fp16", optimizer: Optional[str] = "adamw", schedule: str = "1f1b",
          micro_batches: Optional[int] = None, bandwidth: float = 25e9, attention_scores: bool = False,
-         include_activations: bool = True) -> Plan:
+         include_activations: bool = True, accumulate: bool = True, recompute: bool = True) -> Plan:
     """Cost every strategy for training ``model`` on ``n_gpus`` GPUs of ``gpu_gib`` GiB.
 
     Layouts: DP runs one replica per GPU (at most one per sequence); MP and PP split
-    the model over all GPUs (at least one block per stage), MP with one micro-batch
+    the model over all GPUs (at least one block per stage), MP one micro-batch at a time
     (chapter 03), PP with ``micro_batches``; DP×PP splits each replica over the fewest
     stages (at least 2) that hold it and runs ``n_gpus // stages`` such pipelines.
+
+    When a layout does not fit, DP and MP first accumulate gradients over the fewest
+    micro-batches whose activations fit (same step, same result, smaller matrices), then
+    any layout tries activation recomputation (a quarter of the compute lost). DP×PP uses
+    recomputation only when no stage count fits without it.
 
     Args:
         model: a name from :data:`parallel_lib.model_parallel.memory.MODEL_SHAPES` or a ``ModelShape``.
@@ -255,6 +360,8 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         bandwidth: bytes per second of one link, for the communication time.
         attention_scores: count stored attention score matrices (no FlashAttention).
         include_activations: False: training state only, as ``training_memory(...).min_devices``.
+        accumulate: let DP and MP split their batch into micro-batches (gradient accumulation).
+        recompute: allow activation recomputation where nothing fits without it.
 
     Raises:
         ValueError: an unknown model, dtype, optimizer or schedule, a size that is not positive
@@ -284,6 +391,6 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got schedule={schedule!r}")
     inputs = _Inputs(shape, seq_len, batch_size, gpu_gib * GiB, n_gpus, dtype, optimizer, schedule, bandwidth,
-                     attention_scores, include_activations)
+                     attention_scores, include_activations, bool(accumulate), bool(recompute), micro_batches)
     return Plan(name, shape.n_params, seq_len, batch_size, gpu_gib * GiB, n_gpus, bandwidth,
-                inputs.options(micro_batches))
+                inputs.options(), inputs)

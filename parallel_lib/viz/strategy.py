@@ -64,7 +64,10 @@ def plot_plan(chosen: Plan, ax: Optional[Axes] = None) -> Figure:
 
 def plot_decision_map(models: Sequence[str], gpu_counts: Sequence[int], gpu_gib: float, seq_len: int,
                       batch_size: int, ax: Optional[Axes] = None) -> Figure:
-    """The planner's pick for each model (rows) and number of GPUs (columns); grey: nothing fits."""
+    """The planner's pick for each model (rows) and number of GPUs (columns); grey: nothing fits.
+
+    "+R" marks a pick that needs activation recomputation.
+    """
     if ax is None:
         _, ax = plt.subplots(figsize=(1.0 * len(gpu_counts) + 3, 0.55 * len(models) + 1.5))
     codes = {name: k + 1 for k, name in enumerate(STRATEGIES)}
@@ -73,7 +76,8 @@ def plot_decision_map(models: Sequence[str], gpu_counts: Sequence[int], gpu_gib:
         row = []
         for n in gpu_counts:
             best = plan(model, seq_len, batch_size, gpu_gib, n).best
-            label = f"{best.strategy}\n{best.replicas}x{best.stages}" if best else "—"
+            label = (f"{best.strategy}\n{best.replicas}x{best.stages}{' +R' if best.recompute else ''}"
+                     if best else "—")
             row.append((codes[best.strategy] if best else 0, label))
         grid.append(row)
     cmap = ListedColormap(["#DDDDDD"] + [STRATEGY_COLORS[s] for s in STRATEGIES])
