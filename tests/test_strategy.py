@@ -26,6 +26,7 @@ from parallel_lib.model_parallel import (  # noqa: E402
 )
 from parallel_lib.pipeline_parallel import bubble_fraction  # noqa: E402
 from parallel_lib.planner import (  # noqa: E402
+    PART_ONE,
     STRATEGIES,
     Measured,
     fewest_stages,
@@ -51,7 +52,7 @@ def test_small_model_on_many_gpus_is_plain_data_parallelism():
     grads = training_memory(GPT2.n_params, "fp16", "adamw").gradients
     assert dp.allreduce_bytes == pytest.approx(2 * 7 / 8 * grads)
     assert chosen.best is dp and "Pick: DP, 8 x 1" in chosen.explain()
-    assert [o.strategy for o in chosen.options] == list(STRATEGIES)
+    assert [o.strategy for o in chosen.options] == list(PART_ONE)
 
 
 def test_7b_on_8_large_gpus_needs_pipelines_and_replicates_them():
@@ -164,7 +165,7 @@ def test_a_custom_shape_and_the_table():
     chosen = plan(shape, 2048, 16, 24, 4)
     assert chosen.model == "1.00 B parameters"
     lines = chosen.table().splitlines()
-    assert len(lines) == 2 + len(STRATEGIES) and lines[2].startswith("DP ")
+    assert len(lines) == 2 + len(PART_ONE) and lines[2].startswith("DP ")
 
 
 def test_communication_helpers():

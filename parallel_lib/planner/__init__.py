@@ -4,6 +4,7 @@ comparison behind the article's table 3.
 
 from parallel_lib.planner.compare import CLASSIC, CompareConfig, Measured, markdown_table, measure
 from parallel_lib.planner.strategy import (
+    PART_ONE,
     STRATEGIES,
     WHEN_TO_USE,
     Option,
@@ -20,6 +21,7 @@ __all__ = [
     "CLASSIC",
     "measure",
     "markdown_table",
+    "PART_ONE",
     "STRATEGIES",
     "WHEN_TO_USE",
     "Option",

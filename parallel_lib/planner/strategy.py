@@ -35,71 +35,24 @@ from parallel_lib.model_parallel.memory import (
     training_memory,
 )
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, bubble_fraction
+from parallel_lib.planner.option import Option, p2p_bytes, ring_bytes
+from parallel_lib.planner.sharded_tensor import tensor_parallel_option, zero_option
 
-__all__ = ["STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "fewest_stages", "ring_bytes", "p2p_bytes"]
+__all__ = ["PART_ONE", "STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "fewest_stages", "ring_bytes", "p2p_bytes"]
 
-STRATEGIES = ("DP", "MP", "PP", "DP×PP")
+PART_ONE = ("DP", "MP", "PP", "DP×PP")  # chapters 01-05, the default
+STRATEGIES = PART_ONE + ("ZeRO", "TP×DP")  # with chapters 06 and 07; ZeRO options are named by stage: "ZeRO-2"
 # The rule of thumb behind each row of the comparison table; the planner's numbers back it.
 WHEN_TO_USE = {
     "DP": "the model with its optimizer state fits on one device: use every device, no bubble",
     "MP": "the model does not fit on one device and speed does not matter (inference, a first try)",
     "PP": "the model does not fit on one device: split it, and fill the pipeline with micro-batches",
     "DP×PP": "a copy of the model needs a few devices and there are many: replicate the pipeline",
+    "ZeRO": "the training state does not fit a replica but one layer's work does: shard the state over the "
+            "data-parallel ranks (chapter 06), at the price of more traffic from stage 3 on",
+    "TP×DP": "one layer's weights or activations are too big for a device: split every layer inside a node "
+             "(chapter 07), and replicate the node's group",
 }
-
-
-def ring_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes``."""
-    return allreduce_cost(nbytes, world_size, bandwidth=1.0, latency=0.0)
-
-
-def p2p_bytes(boundary_bytes: float, stages: int) -> float:
-    """Bytes the busiest stage sends per step: its output forward and its input's gradient backward.
-
-    ``boundary_bytes`` is one batch's hidden states at one stage boundary; an inner stage
-    sends both directions (2x), the first and last only one, a single stage nothing.
-    """
-    return boundary_bytes * min(2, stages - 1) if stages > 1 else 0.0
-
-
-@dataclass(frozen=True)
-class Option:
-    """One strategy on the given cluster: its layout, memory, idle share and traffic."""
-
-    strategy: str                  # one of STRATEGIES
-    replicas: int                  # data-parallel copies of the model
-    stages: int                    # devices one copy is split over
-    micro_batches: int             # per replica and step
-    state_bytes: float             # weights, gradients, master copy, optimizer states per device
-    activation_bytes: float        # kept for backward on the busiest device
-    bubble: float                  # idle share of each device's step
-    allreduce_bytes: float         # gradient all-reduce, sent per device per step
-    p2p_bytes: float               # hidden states and their gradients, sent per device per step
-    comm_seconds: float            # both, at the plan's link bandwidth
-    feasible: bool
-    reasons: tuple[str, ...] = field(default=())
-    recompute: bool = False        # activation recomputation (torch.utils.checkpoint per block)
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
-
-    @property
-    def devices(self) -> int:
-        return self.replicas * self.stages
-
-    @property
-    def comm_bytes(self) -> float:
-        return self.allreduce_bytes + self.p2p_bytes
-
-    @property
-    def busy_devices(self) -> float:
-        """Devices' worth of useful compute: ``devices * (1 - bubble)``, x 3/4 under recomputation.
-
-        Backward costs about twice the forward; recomputing the forward makes a step 4 units of
-        work instead of 3 (Korthikanti et al. 2022, sec. 5: "about 33% overhead").
-        """
-        return self.devices * (1 - self.bubble) * (0.75 if self.recompute else 1.0)
 
 
 @dataclass(frozen=True)
@@ -145,7 +98,7 @@ class Plan:
     def option(self, strategy: str) -> Option:
         """The option of one strategy (a name from STRATEGIES)."""
         for o in self.options:
-            if o.strategy == strategy:
+            if o.strategy == strategy or o.strategy.startswith(f"{strategy}-"):  # "ZeRO" finds "ZeRO-2"
                 return o
         raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}")
 
@@ -177,7 +130,7 @@ class Plan:
                          f"{best.devices} GPU(s) x (1 - bubble {best.bubble:.0%})"
                          f"{' x 3/4 (recomputation)' if best.recompute else ''} = "
                          f"{best.busy_devices:.1f} GPUs' worth "
-                         f"({WHEN_TO_USE[best.strategy]}).")
+                         f"({WHEN_TO_USE[best.strategy.split('-')[0]]}).")
         return "\n".join(lines)
 
 
@@ -333,7 +286,8 @@ class _Inputs:
 def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int,
          dtype: str = "fp16", optimizer: Optional[str] = "adamw", schedule: str = "1f1b",
          micro_batches: Optional[int] = None, bandwidth: float = 25e9, attention_scores: bool = False,
-         include_activations: bool = True, accumulate: bool = True, recompute: bool = True) -> Plan:
+         include_activations: bool = True, accumulate: bool = True, recompute: bool = True,
+         strategies: Sequence[str] = PART_ONE) -> Plan:
     """Cost every strategy for training ``model`` on ``n_gpus`` GPUs of ``gpu_gib`` GiB.
 
     Layouts: DP runs one replica per GPU (at most one per sequence); MP and PP split
@@ -362,6 +316,8 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         include_activations: False: training state only, as ``training_memory(...).min_devices``.
         accumulate: let DP and MP split their batch into micro-batches (gradient accumulation).
         recompute: allow activation recomputation where nothing fits without it.
+        strategies: which of :data:`STRATEGIES` to price; by default Part I's four. Add "ZeRO" and
+            "TP×DP" (or pass ``STRATEGIES``) for sharded data parallelism and tensor parallelism.
 
     Raises:
         ValueError: an unknown model, dtype, optimizer or schedule, a size that is not positive
@@ -390,7 +346,16 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, got optimizer={optimizer!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got schedule={schedule!r}")
+    if isinstance(strategies, str) or not strategies or set(strategies) - set(STRATEGIES):
+        raise ValueError(f"strategies must be a non-empty list from {STRATEGIES}, got strategies={strategies!r}")
     inputs = _Inputs(shape, seq_len, batch_size, gpu_gib * GiB, n_gpus, dtype, optimizer, schedule, bandwidth,
                      attention_scores, include_activations, bool(accumulate), bool(recompute), micro_batches)
-    return Plan(name, shape.n_params, seq_len, batch_size, gpu_gib * GiB, n_gpus, bandwidth,
-                inputs.options(), inputs)
+    options = [o for o in inputs.options() if o.strategy in strategies]
+    priced = dict(shape=shape, seq_len=seq_len, batch_size=batch_size, gpu_bytes=gpu_gib * GiB, n_gpus=n_gpus,
+                  dtype=dtype, optimizer=optimizer, bandwidth=bandwidth, attention_scores=attention_scores,
+                  include_activations=include_activations, recompute=bool(recompute))
+    if "ZeRO" in strategies:
+        options.append(zero_option(**priced))
+    if "TP×DP" in strategies:
+        options.append(tensor_parallel_option(**priced))
+    return Plan(name, shape.n_params, seq_len, batch_size, gpu_gib * GiB, n_gpus, bandwidth, tuple(options), inputs)

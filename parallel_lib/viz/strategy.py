@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
-from parallel_lib.planner.strategy import STRATEGIES, Plan, plan
+from parallel_lib.planner.strategy import PART_ONE, Plan, plan
 from parallel_lib.viz.memory import DEVICE_GIB, PARTS
 
 __all__ = ["plot_plan", "plot_decision_map", "plot_measured", "strategy_widget"]
@@ -70,7 +70,7 @@ def plot_decision_map(models: Sequence[str], gpu_counts: Sequence[int], gpu_gib:
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(1.0 * len(gpu_counts) + 3, 0.55 * len(models) + 1.5))
-    codes = {name: k + 1 for k, name in enumerate(STRATEGIES)}
+    codes = {name: k + 1 for k, name in enumerate(PART_ONE)}
     grid = []
     for model in models:
         row = []
@@ -80,8 +80,8 @@ def plot_decision_map(models: Sequence[str], gpu_counts: Sequence[int], gpu_gib:
                      if best else "—")
             row.append((codes[best.strategy] if best else 0, label))
         grid.append(row)
-    cmap = ListedColormap(["#DDDDDD"] + [STRATEGY_COLORS[s] for s in STRATEGIES])
-    ax.imshow([[code for code, _ in row] for row in grid], cmap=cmap, vmin=0, vmax=len(STRATEGIES), aspect="auto")
+    cmap = ListedColormap(["#DDDDDD"] + [STRATEGY_COLORS[s] for s in PART_ONE])
+    ax.imshow([[code for code, _ in row] for row in grid], cmap=cmap, vmin=0, vmax=len(PART_ONE), aspect="auto")
     for y, row in enumerate(grid):
         for x, (_, text) in enumerate(row):
             ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white" if text != "—" else "black")
