@@ -1,6 +1,6 @@
 """Chapter 08's schedules as data: generators, validator, hang gallery and simulator.
 
-Bubble convention (parallel_lib.pipeline_parallel.simulate): idle inside a rank's own span
+Bubble convention (parallel_lib.pipeline_parallel.simulator): idle inside a rank's own span
 relative to its work, max over ranks; chapter 04's (p-1)/(m+p-1) is b / (1 + b).
 """
 
@@ -20,7 +20,7 @@ from parallel_lib.pipeline_parallel import (
     stages_per_rank,
     validate_schedule,
 )
-from parallel_lib.pipeline_parallel.simulate import peak_in_flight
+from parallel_lib.pipeline_parallel.simulator import peak_in_flight
 
 NEW = ["interleaved", "zb-h1", "zb-h2", "zbv"]
 PS = range(1, 9)

@@ -34,7 +34,7 @@ from parallel_lib.pipeline_parallel.schedule import (
     stages_per_rank,
     validate_schedule,
 )
-from parallel_lib.pipeline_parallel.simulate import SimResult, simulate_schedule
+from parallel_lib.pipeline_parallel.simulator import SimResult, simulate_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.timeline_stats import in_flight, stage_costs_from_events
 from parallel_lib.pipeline_parallel.worker import THREAD_PREFIX, Task, Workers

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from parallel_lib.pipeline_parallel.generators import check_interleaved_m, megatron_interleaved_order, zbv
 from parallel_lib.pipeline_parallel.link import find_deadlock
 from parallel_lib.pipeline_parallel.schedule import Action, Schedule, one_f_one_b
-from parallel_lib.pipeline_parallel.simulate import validate_schedule
+from parallel_lib.pipeline_parallel.simulator import validate_schedule
 
 __all__ = ["check_blocking", "check_schedule", "Exhibit", "hang_gallery", "parse_schedule"]
 

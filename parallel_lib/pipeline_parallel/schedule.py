@@ -16,7 +16,7 @@ so what a reader sees is what runs:
 GPipe and 1F1B are the special case of one stage per rank (``stage`` None: the rank's own)
 and no W (B is the whole backward). Generators for the others are in
 :mod:`parallel_lib.pipeline_parallel.generators`; the rules every schedule must meet are
-checked by :func:`validate_schedule` (:mod:`parallel_lib.pipeline_parallel.simulate`).
+checked by :func:`validate_schedule` (:mod:`parallel_lib.pipeline_parallel.simulator`).
 
 Letters used throughout: ``i`` micro-batch, ``j``/``r`` rank, ``s`` model stage, ``k`` clock
 tick, ``m`` number of micro-batches, ``p`` number of ranks, ``v`` model stages per rank.
@@ -260,4 +260,4 @@ def bubble_fraction(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-from parallel_lib.pipeline_parallel.simulate import simulate, validate_schedule  # noqa: E402  (they use the above)
+from parallel_lib.pipeline_parallel.simulator import simulate, validate_schedule  # noqa: E402  (they use the above)
