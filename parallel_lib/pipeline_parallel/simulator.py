@@ -24,7 +24,8 @@ from parallel_lib.common.checks import check_number, positive_int
 from parallel_lib.common.timeline import Event
 from parallel_lib.pipeline_parallel.schedule import Action, Schedule, action_ready, stage_lane
 
-__all__ = ["Costs", "SimResult", "validate_schedule", "replay", "simulate", "simulate_schedule", "per_stage_costs", "peak_in_flight"]
+__all__ = ["Costs", "SimResult", "validate_schedule", "replay", "simulate", "simulate_schedule", "per_stage_costs", "peak_in_flight",
+           "bubbles", "measured_costs"]
 
 Cost = tuple[float, ...]  # (F, B) with B the whole backward, or (F, B, W)
 Costs = Union[Cost, Sequence[Cost]]
@@ -217,12 +218,37 @@ def simulate_schedule(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm:
         activation_bytes: bytes one micro-batch's activations take on one rank's share of the model.
     """
     events = simulate(schedule, stage_costs, comm)
-    p = schedule.num_stages
+    step, busy, bubble, sync_bubble = bubbles(events, schedule.num_stages)
+    peaks = peak_in_flight(schedule)
+    per_mb = 0.0 if activation_bytes is None else float(activation_bytes)
+    return SimResult(events, step, busy, bubble, sync_bubble, peaks, [x * per_mb for x in peaks])
+
+
+def bubbles(events: Sequence[Event], p: int) -> tuple[float, list[float], float, float]:
+    """``(step time, busy per rank, bubble, sync_bubble)`` of a timeline, measured or simulated (module docstring)."""
     lanes = [[e for e in events if e.lane == stage_lane(j)] for j in range(p)]
     busy = [sum(e.duration for e in lane) for lane in lanes]
     spans = [max(e.end for e in lane) - min(e.start for e in lane) if lane else 0.0 for lane in lanes]
     step = max(e.end for e in events) - min(e.start for e in events)
     bubble = max((span - work) / work for span, work in zip(spans, busy) if work > 0)
-    peaks = peak_in_flight(schedule)
-    per_mb = 0.0 if activation_bytes is None else float(activation_bytes)
-    return SimResult(events, step, busy, bubble, (step - max(busy)) / max(busy), peaks, [x * per_mb for x in peaks])
+    return step, busy, bubble, (step - max(busy)) / max(busy)
+
+
+def measured_costs(events: Sequence[Event], schedule: Schedule) -> list[tuple[float, float, float]]:
+    """Median measured ``(F, B, W)`` per model stage from a run of ``schedule``, to feed :func:`simulate`.
+
+    An unsplit run's backward is reported as B with W = 0 (its B runs both).
+    """
+    import statistics
+    place = schedule.placement
+    costs = []
+    for s in range(len(place)):
+        tag = f"s{s}" if schedule.virtual > 1 else ""
+        mine = [e for e in events if e.lane == stage_lane(place[s]) and e.label.split()[-1:] == ([tag] if tag else [])
+                or (e.lane == stage_lane(place[s]) and not tag and e.label == "W")]
+        triple = []
+        for kind, w in (("forward", False), ("backward", False), ("backward", True)):
+            durations = [e.duration for e in mine if e.kind == kind and e.label.startswith("W") == w]
+            triple.append(statistics.median(durations) if durations else 0.0)
+        costs.append((triple[0], triple[1], triple[2]))
+    return costs
