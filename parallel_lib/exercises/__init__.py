@@ -33,8 +33,9 @@ _CHECKERS = {
     "check_balanced_device_map": "ch03", "check_training_bytes": "ch03",
     "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05",
+    "check_interleaved_bubble": "ch08", "check_fill_the_bubble": "ch08", "check_repair_deadlock": "ch08",
 }
-CHAPTERS = ("00", "01", "02", "03", "04", "05")
+CHAPTERS = ("00", "01", "02", "03", "04", "05", "08")
 
 __all__ = ["CheckResult", "Exercise", "EXERCISES", "CHAPTERS", "exercise", *_CHECKERS]
 
