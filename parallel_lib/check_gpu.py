@@ -48,6 +48,7 @@ from parallel_lib.gpu_checks import (
     check_dp,
     check_model_parallel,
     check_pipeline,
+    check_schedules,
     device_counts,
     free_memory,
     workload_for,
@@ -108,6 +109,8 @@ register_check("model_parallel", Check("03_model_parallel", 1, "GPT-2 over cuda:
                                        "with one GPU, tokens/s", check_model_parallel, splits_layers=True))
 register_check("pipeline", Check("04_pipeline_parallel", 2, "Pipe over cuda:0..p-1: equivalence with one GPU, "
                                  "step times by m, bench pp", check_pipeline, splits_layers=True))
+register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 schedule's Pipe over cuda:0, "
+                                  "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
 
 
 # --------------------------------------------------------------------------- plan

@@ -76,7 +76,7 @@ def test_plan_only_and_its_table():
 def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
     assert [(name, c.chapter) for name, c in CHECKS.items()] == [
         ("dp", "01_data_parallel"), ("allreduce", "02_all_reduce"), ("model_parallel", "03_model_parallel"),
-        ("pipeline", "04_pipeline_parallel")]
+        ("pipeline", "04_pipeline_parallel"), ("schedules", "08_pipeline_schedules")]
     monkeypatch.setattr(check_gpu, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
