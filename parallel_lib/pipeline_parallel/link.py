@@ -230,9 +230,12 @@ class StageLink:
     def __init__(self, prev: Optional[int], next: Optional[int], who: str, timeout: float,
                  device: torch.device) -> None:
         self.prev, self.next, self.who, self.timeout, self.device = prev, next, who, timeout, device
+        self.route: Optional[Callable[[Message, bool], int]] = None  # (message, sending) -> peer rank
         self.bytes_sent = 0  # since the last reset
 
     def peer(self, message: Message, sending: bool) -> int:
+        if self.route is not None:  # several stages per rank: the schedule's placement says who
+            return self.route(message, sending)
         rank = self.next if (message.step > 0) == sending else self.prev
         if rank is None:
             raise ValueError(f"{self.who} has no neighbour for {message}")
