@@ -7,11 +7,13 @@ For GPipe, 1F1B, interleaved 1F1B (v=2), ZB-H1, ZB-H2 and ZBV, at m = 4, 8, 16:
   measured bubble beside the bubble simulated from the same run's measured F, B, W costs per
   stage beside the closed form, and the peak saved-activation bytes per rank;
 - p = 4, simulated: the p = 2 costs per layer block, regrouped into 4 ranks, replayed;
+- p = 2, processes: the same step on two gloo ranks (:mod:`parallel_lib.pipeline_parallel.process`),
+  median over repeats of the slower rank's step time (p = 4 processes would put 4 ranks on this
+  machine's cores; the benchmark does not run them);
 - our order beside ``torch.distributed.pipelining``'s for the same p, m (``equal`` or the first difference).
 
 Bubble convention: idle inside a rank's span / its work, max over ranks
-(:mod:`parallel_lib.pipeline_parallel.simulator`). Processes (one rank per stage over gloo)
-are not run by this benchmark (see the chapter's notes).
+(:mod:`parallel_lib.pipeline_parallel.simulator`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from torch import nn
 
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.pipeline_parallel import Pipe, make_schedule, stages_per_rank
+from parallel_lib.pipeline_parallel.process import ProcessConfig, run_pipeline_ranks
 from parallel_lib.pipeline_parallel.simulator import bubbles, measured_costs, simulate_schedule
 from parallel_lib.pipeline_parallel.torch_pp import compare_with_torch
 from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "NAMES", "formula", "run", "main"]
 
@@ -65,10 +69,25 @@ def _pct(x: Optional[float]) -> str:
     return "–" if x is None else f"{x:.0%}"
 
 
+def process_times(config: Config) -> dict[tuple[str, int], float]:
+    """Median step seconds over gloo processes, p = 2, for every (schedule, m)."""
+    runs = [ProcessConfig(schedule=name, micro_batches=m, width=config.width, blocks=config.blocks, rows=config.batch,
+                          timeout=120.0, deferred_sends=name in ("interleaved", "zbv"))
+            for m in config.micro_batches for name in config.names] * (config.repeats + 1)
+    results = launch(run_pipeline_ranks, 2, runs, backend="gloo", timeout=1800.0)
+    times: dict[tuple[str, int], list[float]] = {}
+    for k, run_config in enumerate(runs):
+        if k >= len(runs) // (config.repeats + 1):  # the first round warms up
+            times.setdefault((run_config.schedule, run_config.micro_batches), []).append(
+                max(results[r][k]["seconds"] for r in range(2)))
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
     """Measured p=2 rows and simulated p=4 rows."""
     x, y = torch.randn(config.batch, config.width), torch.randn(config.batch, config.width)
     measured, simulated = [], []
+    processes = process_times(config)
     for m in config.micro_batches:
         for name in config.names:
             times, runs = [], []
@@ -87,7 +106,8 @@ def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
             if not schedule.split_backward:
                 costs = [(f, b + w) for f, b, w in costs]  # type: ignore[misc]
             sim = simulate_schedule(schedule, costs)
-            measured.append([name, m, f"{statistics.median(times) * 1e3:.1f}", _pct(bubble), _pct(sim.bubble),
+            measured.append([name, m, f"{statistics.median(times) * 1e3:.1f}",
+                             f"{processes[(name, m)] * 1e3:.1f}", _pct(bubble), _pct(sim.bubble),
                              _pct(formula(name, 2, m)), " / ".join(f"{b / 2**20:.1f}" for b in peak),
                              compare_with_torch(make_schedule(name, 2, m))[:60] if name != "zb-h2" else "–"])
             simulated.append(_p4_row(name, m, costs, config.blocks))
@@ -107,7 +127,8 @@ def _p4_row(name: str, m: int, costs: list, blocks: int) -> list[object]:
 
 
 def markdown(measured: list[list[object]], simulated: list[list[object]]) -> str:
-    header = ["schedule", "m", "step ms", "bubble measured", "simulated", "formula",
+    header = ["schedule", "m", "step ms threads", "step ms processes", "bubble measured (threads)", "simulated",
+              "formula",
               "peak activations MiB / rank", "order vs torch"]
     p4 = ["schedule", "m", "step ms (sim.)", "bubble (sim.)", "formula", "order vs torch"]
     return "\n".join([f"Pipeline schedules on {machine_label()}", "", "p = 2, threads (Pipe):", "",

@@ -20,6 +20,7 @@ a test can compare them with one process.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,8 @@ def run_pipeline_rank(rank: int, world_size: int, config: ProcessConfig) -> dict
     for_w: dict[tuple[int, int], Any] = {}
     last, loss, split = len(place) - 1, 0.0, schedule.split_backward
     pending: list[tuple[Any, str]] = []  # deferred sends: (work, what), waited for at the end
+    dist.barrier()  # time the step from a common start
+    start = time.perf_counter()
     for k in range(len(actions) + 1):
         if k in plan:
             e = plan[k]
@@ -129,8 +132,9 @@ def run_pipeline_rank(rank: int, world_size: int, config: ProcessConfig) -> dict
             runners[s].backward_weight(for_w.pop((s, i)))
     for work, what in pending:
         wait_for(work, config.timeout, what)
+    seconds = time.perf_counter() - start
     grads = {names[id(p)]: p.grad.clone() for r in runners.values() for p in r.module.parameters() if p.grad is not None}
-    return {"loss": loss, "grads": grads, "bytes_sent": link.bytes_sent}
+    return {"loss": loss, "grads": grads, "bytes_sent": link.bytes_sent, "seconds": seconds}
 
 
 def run_pipeline_ranks(rank: int, world_size: int, configs: list[ProcessConfig]) -> list[dict[str, Any]]:
