@@ -42,18 +42,10 @@ from parallel_lib.pipeline_parallel.microbatch import (
     gather,
     loss_weights,
     scatter,
-    split_layers,
     split_like,
 )
-from parallel_lib.pipeline_parallel.run import CHECKPOINTS, Checkpoint, LossFn, PipelineRun
-from parallel_lib.pipeline_parallel.schedule import (
-    ALL_SCHEDULES,
-    Action,
-    Schedule,
-    action_ready,
-    make_schedule,
-    stages_per_rank,
-)
+from parallel_lib.pipeline_parallel.run import CHECKPOINTS, Checkpoint, LossFn, PipelineRun, layout, sum_tied_gradients
+from parallel_lib.pipeline_parallel.schedule import ALL_SCHEDULES, Action, Schedule, action_ready, make_schedule
 from parallel_lib.pipeline_parallel.simulator import _label
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.worker import Task, Workers
@@ -136,15 +128,7 @@ class Pipe(nn.Module):
         make_schedule("gpipe", 1, 1)  # registers every schedule's name
         check_choice("schedule", schedule, sorted(ALL_SCHEDULES))
         check_choice("checkpoint", checkpoint, CHECKPOINTS)
-        keys, self.stage_layers = split_layers(len(module), devices, "layers")
-        if stages_per_rank(schedule) > 1:  # v stages per device, placed as the schedule says
-            if isinstance(devices, dict):
-                raise ValueError(f"schedule={schedule!r} places {stages_per_rank(schedule)} stages on each device "
-                                 f"itself: give a list of devices, not a device map")
-            self.placement = make_schedule(schedule, len(keys), len(keys)).placement
-            _, self.stage_layers = split_layers(len(module), [keys[r] for r in self.placement], "layers")
-        else:
-            self.placement = tuple(range(len(keys)))
+        keys, self.stage_layers, self.placement = layout(len(module), devices, schedule)
         if chunks is None and split_size is None:
             chunks = 1
         check_split(chunks, split_size)
@@ -265,20 +249,8 @@ class Pipe(nn.Module):
         before = [(a.grad.clone() if a.grad is not None else None) for a, _ in self.tied_parameters]
         self._execute(run, schedule, True)
         self.peak_activations, self.peak_activation_bytes = run.peak, run.peak_bytes
-        self._sum_tied_gradients(before)
+        sum_tied_gradients(self.tied_parameters, before)
         return torch.stack([run.losses[i] for i in range(len(inputs))]).sum()
-
-    def _sum_tied_gradients(self, before: list[Optional[Tensor]]) -> None:
-        """Give both copies of a tied weight the sum of this step's gradients of each."""
-        for (a, b), a_before in zip(self.tied_parameters, before):
-            if a.grad is None or b.grad is None:
-                continue
-            # the pair held equal gradients before this step, so what each gained is its own
-            # contribution this step; each copy adds the other's
-            gained_a = a.grad - a_before if a_before is not None else a.grad.clone()
-            gained_b = b.grad - a_before.to(b.device) if a_before is not None else b.grad.clone()
-            a.grad += gained_b.to(a.device)
-            b.grad += gained_a.to(b.device)
 
     def _execute(self, run: PipelineRun, schedule: Schedule, grad_mode: bool) -> None:
         """Submit every stage's actions in schedule order as their inputs arrive; collect results."""

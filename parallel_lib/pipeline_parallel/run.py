@@ -10,15 +10,17 @@ stage s (a rank of an interleaved or V schedule runs several); memory is counted
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from parallel_lib.pipeline_parallel.microbatch import Target
-from parallel_lib.pipeline_parallel.schedule import Action
+from parallel_lib.model_parallel.device_map import DeviceMap
+from parallel_lib.pipeline_parallel.microbatch import Target, split_layers
+from parallel_lib.pipeline_parallel.schedule import Action, make_schedule, stages_per_rank
+from parallel_lib.runtime.device import DeviceKey
 from parallel_lib.pipeline_parallel.stage import Saved, StageRunner, TensorOrTensors
 
-__all__ = ["PipelineRun", "LossFn", "Checkpoint", "CHECKPOINTS"]
+__all__ = ["PipelineRun", "LossFn", "Checkpoint", "CHECKPOINTS", "layout", "sum_tied_gradients"]
 
 LossFn = Callable[..., Tensor]
 Checkpoint = Literal["never", "except_last", "always"]
@@ -111,3 +113,34 @@ class PipelineRun:
             self.losses[i] = result
         else:
             self.outputs[i] = result
+
+
+def layout(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap], schedule: str
+           ) -> tuple[list[DeviceKey], list[list[int]], tuple[int, ...]]:
+    """``(device key per rank, layer indices per model stage, rank per model stage)`` for a schedule.
+
+    Raises:
+        ValueError: a device map for a schedule with several stages per device (it places them itself).
+    """
+    keys, stage_layers = split_layers(n_layers, devices, "layers")
+    if stages_per_rank(schedule) == 1:
+        return keys, stage_layers, tuple(range(len(keys)))
+    if isinstance(devices, dict):
+        raise ValueError(f"schedule={schedule!r} places {stages_per_rank(schedule)} stages on each device "
+                         f"itself: give a list of devices, not a device map")
+    placement = make_schedule(schedule, len(keys), len(keys)).placement
+    _, stage_layers = split_layers(n_layers, [keys[r] for r in placement], "layers")
+    return keys, stage_layers, placement
+
+
+def sum_tied_gradients(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], before: list[Optional[Tensor]]) -> None:
+    """Give both copies of a tied weight the sum of this step's gradients of each."""
+    for (a, b), a_before in zip(pairs, before):
+        if a.grad is None or b.grad is None:
+            continue
+        # the pair held equal gradients before this step, so what each gained is its own
+        # contribution this step; each copy adds the other's
+        gained_a = a.grad - a_before if a_before is not None else a.grad.clone()
+        gained_b = b.grad - a_before.to(b.device) if a_before is not None else b.grad.clone()
+        a.grad += gained_b.to(a.device)
+        b.grad += gained_a.to(b.device)
