@@ -136,7 +136,8 @@ class Schedule:
                         tuple(tuple(a for a in actions if a.kind == "F") for actions in self.stages), self.placement)
 
     def __str__(self) -> str:
-        rows = [f"rank {j}: " + " ".join(str(a) for a in actions) for j, actions in enumerate(self.stages)]
+        who = "stage" if self.num_model_stages == self.num_stages else "rank"  # chapter 04 prints stages
+        rows = [f"{who} {j}: " + " ".join(str(a) for a in actions) for j, actions in enumerate(self.stages)]
         return "\n".join([f"{self.name}, p={self.num_stages}, m={self.num_micro_batches}", *rows])
 
 
