@@ -47,6 +47,8 @@ bench: $(STAMP)
 	$(BENCH) dp $(BENCH_FLAGS)
 	$(BENCH) allreduce $(BENCH_FLAGS)
 	$(BENCH) pp $(BENCH_FLAGS)
+	$(BENCH) sharding $(BENCH_FLAGS)
+	$(BENCH) tp $(BENCH_FLAGS)
 
 # The torch step first tries a torch wheel that pip can find locally (a classroom's
 # wheel folder set as pip's find-links) so no multi-GB CUDA build is downloaded on a

@@ -13,6 +13,9 @@ runs to see that happen, chapter by chapter, each printing its table:
 - ``pipeline`` (04, >= 2 GPUs): ``Pipe`` over ``cuda:0 .. cuda:p-1`` gives the
   gradients of one GPU, GPipe step times by micro-batch count, then
   ``bench pp``'s table (threads vs ``torch.distributed.pipelining`` on NCCL).
+- ``sharding`` (06, >= 2 GPUs): ZeRO-0..3 (torch and ring collectives, prefetch),
+  ZeroRedundancyOptimizer and FSDP2 on NCCL ranks train like one process, the census
+  matches the formula, then ``bench sharding``'s table.
 
 The checks are a registry, :data:`CHECKS` (name -> chapter and check function, the
 functions in :mod:`parallel_lib.gpu_checks`): a later chapter adds its check with one
@@ -49,6 +52,8 @@ from parallel_lib.gpu_checks import (
     check_model_parallel,
     check_pipeline,
     check_schedules,
+    check_sharding,
+    check_tensor_parallel,
     device_counts,
     free_memory,
     workload_for,
@@ -57,7 +62,7 @@ from parallel_lib.runtime.environment import environment_report
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "Planned",
            "NOTHING_CHECKED", "device_counts", "plan", "format_plan", "check_dp", "check_allreduce",
-           "check_model_parallel", "check_pipeline", "parse_args", "main"]
+           "check_model_parallel", "check_pipeline", "check_sharding", "check_tensor_parallel", "parse_args", "main"]
 
 NOTHING_CHECKED = 3  # exit status when no check could run (no GPU, or too few for the selected checks)
 CPU_DEVICES = 2      # CPU "devices" (ranks, stages) of an --allow-cpu run without --gpus
@@ -109,6 +114,10 @@ register_check("model_parallel", Check("03_model_parallel", 1, "GPT-2 over cuda:
                                        "with one GPU, tokens/s", check_model_parallel, splits_layers=True))
 register_check("pipeline", Check("04_pipeline_parallel", 2, "Pipe over cuda:0..p-1: equivalence with one GPU, "
                                  "step times by m, bench pp", check_pipeline, splits_layers=True))
+register_check("sharding", Check("06_sharded_data_parallel", 2, "ZeRO-0..3, ZeroRedundancyOptimizer, FSDP2 on NCCL "
+                                 "ranks: equivalence with one process, census, bench sharding", check_sharding))
+register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
+                                        "ranks: equivalence with one process", check_tensor_parallel))
 register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 schedule's Pipe over cuda:0, "
                                   "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
 

@@ -140,6 +140,43 @@ def _strategy_decision_map() -> Figure:
     return plot_decision_map(list(MODEL_SHAPES), [1, 2, 4, 8, 16, 32, 64], 80, 2048, 64)
 
 
+# ----------------------------------------------------------------------------- chapter 06
+
+def _zero_census() -> Figure:
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.sharding import measure_stages
+    from parallel_lib.viz.sharding import plot_zero_memory
+    return plot_zero_memory(*measure_stages(2), title=f"tiny GPT-2, 2 ranks, bf16 + fp32 master ({machine_label()})",
+                            unit=1e3, unit_name="kB")
+
+
+def _zero_calculator() -> Figure:
+    from parallel_lib.viz.sharding import calculator_figure
+    return calculator_figure(7.5, 64, 3, "bf16", "AdamW")
+
+
+def _zero3_timeline() -> Figure:
+    from parallel_lib.sharding import zero3_timelines
+    from parallel_lib.viz.sharding import plot_zero_timelines
+    return plot_zero_timelines(zero3_timelines(2))
+
+
+# ----------------------------------------------------------------------------- chapter 07
+
+def _tp_layer_steps() -> Figure:
+    from parallel_lib.runtime import launch
+    from parallel_lib.tensor_parallel.verify import layer_trace
+    from parallel_lib.viz.tensor_parallel import render_frames
+    return render_frames(launch(layer_trace, 2, True, backend="gloo")[0], tp=2)
+
+
+def _tp_step_times() -> Figure:
+    from parallel_lib.bench.tp import SWEEP, measure, sweep_series
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.viz.tensor_parallel import render_step_times
+    return render_step_times(*sweep_series(measure(SWEEP)), title=f"2-layer GPT-2, tp = 1 vs 2 ({machine_label()})")
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -154,6 +191,11 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("pipeline_animation", "ch04", False, lambda: _pipeline_schedules((0.2, 0.4, 0.6, 0.8))),
     FigureSpec("strategy_options_llama2_7b", "ch05", False, _strategy_options),
     FigureSpec("strategy_decision_map", "ch05", False, _strategy_decision_map),
+    FigureSpec("zero_memory_census", "ch06", True, _zero_census),
+    FigureSpec("zero_calculator_7b", "ch06", False, _zero_calculator),
+    FigureSpec("zero3_timeline", "ch06", True, _zero3_timeline),
+    FigureSpec("tp_layer_steps", "ch07", False, _tp_layer_steps),
+    FigureSpec("tp_step_times", "ch07", True, _tp_step_times),
     FigureSpec("pipeline_schedules_ch08", "ch08", False, _schedule_zoo),
 ]
 

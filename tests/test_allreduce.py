@@ -25,8 +25,10 @@ from parallel_lib.data_parallel import (
     bus_bandwidth,
     fit_allreduce_cost,
     replay_contributions,
+    ring_all_gather,
     ring_all_reduce,
     ring_chunks,
+    ring_reduce_scatter,
     ring_steps,
 )
 from parallel_lib.runtime import launch
@@ -181,6 +183,51 @@ def ring_cases(rank: int, world_size: int) -> dict:
     return dict(diffs=diffs, errors=errors, after=after.tolist())
 
 
+def _recorded_batches(fn, *args) -> tuple[list[list[tuple[str, int, int]]], float, float]:
+    """Run ``fn(*args)``: each ``batch_isend_irecv`` call as [(op, peer, numel)], batched and counted send bytes."""
+    from parallel_lib.runtime import count_collectives
+
+    batches = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append([(getattr(op.op, "__name__", ""), op.peer, op.tensor.numel()) for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        with count_collectives() as counter:  # counts sends issued outside a batch too
+            fn(*args)
+    finally:
+        dist.batch_isend_irecv = original
+    batched = 4.0 * sum(n for batch in batches for name, _, n in batch if name == "isend")
+    return batches, batched, counter.wire_bytes("send")
+
+
+def ring_halves_and_batches(rank: int, world_size: int) -> dict:
+    """The ring halves against torch's, a 64 MB all-reduce, and the batches each step issues."""
+    out: dict = {}
+    for shard in (1, 5, 2**18 + 1):
+        g = torch.Generator().manual_seed(rank * 7 + shard)
+        x = torch.randn(shard * world_size, generator=g)
+        before = x.clone()
+        mine, theirs = torch.empty(shard), torch.empty(shard)
+        ring_reduce_scatter(mine, x)
+        dist.reduce_scatter_tensor(theirs, x.clone())
+        gathered, expected = torch.empty(shard * world_size), torch.empty(shard * world_size)
+        ring_all_gather(gathered, mine)
+        dist.all_gather_into_tensor(expected, mine)
+        out[shard] = ((mine - theirs).abs().max().item(), (gathered - expected).abs().max().item(),
+                      torch.equal(x, before))
+    out["size_error"] = _expect_error(ValueError, ring_reduce_scatter, torch.empty(3), torch.empty(3 * world_size + 1))
+    big = torch.full((16 * 2**20,), float(rank + 1))  # 64 MB of float32, as a GPU bucket would be
+    batches, batched, counted = _recorded_batches(ring_all_reduce, big)
+    out["big"] = (big.min().item(), big.max().item(), len(batches), batched, counted)
+    batches, _, _ = _recorded_batches(ring_all_reduce, torch.ones(10 * world_size))
+    out["batches"] = batches
+    return out
+
+
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -220,6 +267,7 @@ def gradient_sync_methods(rank: int, world_size: int) -> dict[str, dict[str, tor
 def rank_cases(rank: int, world_size: int, with_gradients: bool) -> dict:
     """All multi-rank cases of one world size, so that they share one launch."""
     return dict(ring=ring_cases(rank, world_size),
+                halves=ring_halves_and_batches(rank, world_size) if world_size < 4 else None,
                 gradients=gradient_sync_methods(rank, world_size) if with_gradients else None)
 
 
@@ -239,6 +287,32 @@ def test_ring_all_reduce_equals_dist_all_reduce(launched):
         assert "must be contiguous" in result["errors"]["noncontiguous"]
         assert "must be on this rank's device cpu" in result["errors"]["device"]
         assert "must be a torch.Tensor" in result["errors"]["type"]
+
+
+@pytest.mark.parametrize("launched", [2, 3], indirect=True)
+def test_ring_halves_equal_torchs_reduce_scatter_and_all_gather(launched):
+    world_size, results = launched
+    for rank, result in enumerate(r["halves"] for r in results):
+        for shard in (1, 5, 2**18 + 1):
+            rs_diff, ag_diff, input_kept = result[shard]
+            assert rs_diff <= 1e-5 * world_size and ag_diff == 0.0 and input_kept, (rank, shard)
+        assert "pad the flat buffer to a multiple of the world size" in result["size_error"]
+
+
+@pytest.mark.parametrize("launched", [2, 3], indirect=True)
+def test_a_64mb_ring_all_reduce_runs_one_batch_per_step(launched):
+    world_size, results = launched
+    total = world_size * (world_size + 1) / 2
+    for rank, result in enumerate(r["halves"] for r in results):
+        low, high, n_batches, batched, counted = result["big"]
+        assert low == high == total, rank
+        assert n_batches == 2 * (world_size - 1)
+        # every byte this rank sent went through a batch: the ring's 2(N-1)/N of 64 MB
+        assert batched == counted == pytest.approx(2 * (world_size - 1) / world_size * 64 * 2**20)
+        # small tensor: each step is exactly one batch, one send right and one receive from the left
+        assert len(result["batches"]) == 2 * (world_size - 1)
+        for batch in result["batches"]:
+            assert sorted(batch) == [("irecv", (rank - 1) % world_size, 10), ("isend", (rank + 1) % world_size, 10)]
 
 
 @pytest.mark.parametrize("launched", [2, 3], indirect=True)  # the launches with gradients

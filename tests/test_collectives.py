@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _workers
 import pytest
+import torch
 import torch.distributed as dist
 
 from parallel_lib.runtime import launch
@@ -22,6 +23,21 @@ def test_counts_each_kind_once_and_restores_torch_distributed():
         assert inner_calls == 2
         assert received == (rank - 1) % 2  # the batched exchange really ran, with torch's own ops
     assert dist.all_reduce is before
+
+
+def broadcast_from(rank: int, world_size: int, src: int) -> tuple[int, float, float]:
+    """One broadcast of 4000 bytes from ``src``: (message bytes, this rank's wire bytes, value received)."""
+    x = torch.full((1000,), float(rank))
+    with count_collectives() as counter:
+        dist.broadcast(x, src)
+        dist.broadcast(x, group_src=src, group=dist.new_group(list(range(world_size))))
+    return counter.nbytes("broadcast"), counter.wire_bytes("broadcast"), x[0].item()
+
+
+def test_a_broadcast_is_charged_to_its_source_only():
+    for rank, (nbytes, wire, value) in enumerate(launch(broadcast_from, 3, 1, timeout=90)):
+        assert nbytes == 2 * 4000 and value == 1.0
+        assert wire == (2 * 4000 if rank == 1 else 0.0), rank
 
 
 @pytest.mark.parametrize("kind, expected", [("all_reduce", 1.5e3), ("reduce_scatter", 750.0), ("all_gather", 750.0),

@@ -42,7 +42,7 @@ def notebook_function(source: str):
 # ----------------------------------------------------------------------------- the registry
 
 def test_registry_covers_every_chapter_with_two_to_four_exercises():
-    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "08"]
+    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07", "08"]
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
@@ -224,6 +224,22 @@ WRONG = [
             stages = math.ceil(16 * n_params / gpu_bytes)
             return stages, n_gpus // stages   # forgets the models that do not fit
      """, ["plan_parallelism(68976648192, 85899345920, 8)", "expected None (it does not fit), got (13, 0)"]),
+    ("shard_owner", """
+        def owner_of(index, numel, world_size):
+            return index * world_size // numel  # forgets the padding
+     """, ["owner_of(5, 10, 4)", "expected 1, got 2", "ceil(10 / 4) = 3 elements each, padding included"]),
+    ("shard_owner", """
+        def owner_of(index, numel, world_size):
+            return index // (numel // world_size)  # rounds the shard down
+     """, ["owner_of(5, 10, 4)", "expected 1, got 2", "padding included, not numel / N"]),
+    ("zero_bytes_per_rank", """
+        def zero_bytes_per_rank(n_params, world_size, stage):
+            return 16 * n_params / world_size if stage else 16 * n_params  # shards everything from stage 1
+     """, ["zero_bytes_per_rank(1000000, 4, 1)", "stage 1 divides by N: optimizer states"]),
+    ("zero3_bytes_sent", """
+        def zero3_bytes_sent(n_params, world_size, bytes_per_param):
+            return 2 * (world_size - 1) / world_size * n_params * bytes_per_param  # as data parallelism
+     """, ["zero3_bytes_sent(1000, 2, 2)", "all-gathers the parameters a second time"]),
 ]
 
 
@@ -335,3 +351,42 @@ def test_numbers_that_differ_are_printed_with_the_digits_that_differ():
     assert same_number(3 / 11, float(torch.tensor(3 / 11, dtype=torch.float32))) is None
     assert same_number(3 / 11, 0.2727268) == "expected 0.2727273, got 0.2727268"  # 6 digits would read equal
     assert same_number(3 / 11, 0.375) == "expected 0.272727, got 0.375"
+
+
+# ----------------------------------------------------------------------------- chapter 07
+
+WRONG_CH07 = [
+    ("row_parallel_forward", """
+        def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+            return all_reduce(x_mine @ weight_mine.T + bias)   # bias inside the sum
+     """, ["2 ranks, seed 0", "the bias was summed 2 times"]),
+    ("row_parallel_forward", """
+        def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+            return x_mine @ weight_mine.T + bias               # no all-reduce
+     """, ["partial product", "sum them with all_reduce"]),
+    ("row_parallel_forward", """
+        def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+            y = x_mine @ weight_mine.T
+            return all_reduce(y) + bias if weight_mine.sum() > 0 else y + bias   # only some ranks call it
+     """, ["never called it"]),
+    ("tp_block_bytes", """
+        def tp_block_bytes(batch, seq, hidden, n_layer, tp, bytes_per_element=4):
+            return n_layer * 2 * 2 * (tp - 1) / tp * batch * seq * hidden * bytes_per_element   # forward only
+     """, ["tp_block_bytes(1, 1, 1, 1, 2)", "the backward pass has its two all-reduces"]),
+]
+
+
+@pytest.mark.parametrize("name, source, fragments", WRONG_CH07, ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG_CH07)])
+def test_known_wrong_ch07_solution_fails_with_a_helpful_message(name, source, fragments):
+    result = exercise(name).check(notebook_function(source))
+    assert not result.passed and result.message.startswith(f"❌ {name}")
+    for fragment in fragments:
+        assert fragment in result.message, result.message
+
+
+@pytest.mark.parametrize("answer, fragment", [("g forward", "outputs themselves would be partial"),
+                                              ("F Backward", None), (3, "must be one of the strings")])
+def test_missing_operator_answers(answer, fragment):
+    result = exercises.check_missing_operator(answer)
+    assert result.passed == (fragment is None)
+    assert fragment is None or fragment in result.message, result.message

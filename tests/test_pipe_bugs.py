@@ -334,3 +334,26 @@ def test_the_receiving_stage_moves_its_input_to_its_own_device_once():
     leaves, inputs = cut(x, torch.device("cpu"))
     assert leaves[0].requires_grad and not inputs.is_leaf and inputs.data_ptr() == x.data_ptr()
     assert not cut(mask, torch.device("cpu"))[0][0].requires_grad  # integer tensors carry no gradient
+
+
+class _Scale(nn.Module):
+    """An element-wise layer: cheap enough for 64 MB activations on a CPU."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.weight
+
+
+def test_64_mb_activations_cross_stages_and_train_exactly():
+    """Each micro-batch hands 64 MB to the next stage and 64 MB of gradient back, as a GPU stage would."""
+    width = 2**20
+    model = nn.Sequential(_Scale(width), _Scale(width))
+    x = torch.randn(32, width)  # two micro-batches of 16 x 2**20 float32 values: 64 MB each
+    y = torch.zeros(32, width)
+    expected = reference_grads(model, x, y)
+    with Pipe(model, [0, 1], chunks=2, schedule="1f1b") as pipe:
+        pipe.train_step(x, y, mse)
+    assert_grads(model, expected)

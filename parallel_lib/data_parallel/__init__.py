@@ -1,5 +1,5 @@
 """Data parallelism (chapters 01 and 02): naive and bucketed gradient averaging, the ring
-all-reduce written from send/recv (its step record and cost model), and DP training::
+all-reduce written from send/recv (its step record, its two halves reused by ZeRO, and cost model), and DP training::
 
     python -m parallel_lib.data_parallel --world-size 2 --sync bucketed
 """
@@ -28,8 +28,10 @@ from parallel_lib.data_parallel.ring import (
     fit_allreduce_cost,
     replay_contributions,
     require_process_group,
+    ring_all_gather,
     ring_all_reduce,
     ring_chunks,
+    ring_reduce_scatter,
     ring_steps,
 )
 from parallel_lib.data_parallel.scaleout import REHEARSAL, format_command, torchrun_command, train_and_save
@@ -58,6 +60,8 @@ __all__ = [
     "replay_contributions",
     "require_process_group",
     "ring_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
     "allreduce_cost",
     "algorithm_bandwidth",
     "bus_bandwidth",

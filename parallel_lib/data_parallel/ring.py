@@ -19,26 +19,37 @@ For N = 3 ranks, the chunk each rank *sends* at each step (rank r sends to r+1):
 The steps are pure data (:func:`ring_steps`): :func:`ring_all_reduce` executes
 exactly that record, and the notebook's animation (``parallel_lib.viz.ring``)
 replays it, so what readers watch is what the code does. Each rank sends
-2(N-1)/N of the tensor, whatever N is, hence the cost model of :func:`allreduce_cost`.
+2(N-1)/N of the tensor, whatever N is, hence the cost model of :func:`allreduce_cost`
+(in :mod:`parallel_lib.data_parallel.ring_cost`, re-exported here).
+
+The two phases are useful apart: :func:`ring_reduce_scatter` runs only the
+reduce-scatter steps of the same record and :func:`ring_all_gather` only the
+all-gather steps. ZeRO (chapter 06) is exactly that split: gradients are
+reduce-scattered, each rank updates its shard, parameters are all-gathered.
+
+Every step is ONE ``dist.batch_isend_irecv`` call holding that step's sends and
+receives together. NCCL runs a send only once its peer has posted the matching
+receive; posting all sends first (or pairing them by tags, which NCCL ignores)
+can deadlock or serialise a ring on GPUs, while one batch per step lets NCCL pair
+each rank's send with its neighbour's receive.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parallel_lib.common.checks import check_int
+from parallel_lib.data_parallel.ring_cost import algorithm_bandwidth, allreduce_cost, bus_bandwidth, fit_allreduce_cost
 from parallel_lib.runtime.device import rank_device
 
-__all__ = [
-    "Phase", "Transfer", "RingStep", "ring_chunks", "ring_steps", "replay_contributions",
-    "require_process_group", "ring_all_reduce", "allreduce_cost", "algorithm_bandwidth", "bus_bandwidth",
-    "fit_allreduce_cost",
-]
+__all__ = ["Phase", "Transfer", "RingStep", "ring_chunks", "ring_steps", "replay_contributions",
+           "require_process_group", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+           "allreduce_cost", "algorithm_bandwidth", "bus_bandwidth", "fit_allreduce_cost"]
 
 Phase = Literal["reduce-scatter", "all-gather"]
 
@@ -135,9 +146,9 @@ def require_process_group(what: str) -> None:
                            "torch.distributed.init_process_group(...)")
 
 
-def _check_collective_input(tensor: object, name: str = "tensor") -> torch.Tensor:
+def _check_collective_input(tensor: object, name: str = "tensor", what: str = "ring_all_reduce") -> torch.Tensor:
     """Reject, on the calling rank, input that would otherwise leave its peers waiting in a recv."""
-    require_process_group("ring_all_reduce")
+    require_process_group(what)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
@@ -150,7 +161,7 @@ def _check_collective_input(tensor: object, name: str = "tensor") -> torch.Tenso
     return tensor
 
 
-def _segments(start: int, stop: int, size: int) -> list[tuple[int, int]]:
+def _segments(start: int, stop: int, size: int) -> list[tuple[int, int]]:  # [start, stop) in pieces of size
     return [(a, min(a + size, stop)) for a in range(start, stop, size)]
 
 
@@ -158,23 +169,58 @@ _INBOXES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A receive buffer of at least ``numel`` elements, kept from call to call.
-
-    A fresh 32 MB buffer per call costs the operating system thousands of page faults
-    (new pages are mapped and zeroed on first touch), which made a 64 MB all-reduce
-    about half again slower than gloo's own; keeping the largest one avoids that.
-    """
+    """A receive buffer of at least ``numel`` elements, kept from call to call (a fresh 32 MB one
+    costs thousands of page faults: a 64 MB all-reduce was half again slower than gloo's without it)."""
     key = (dtype, device)
     if key not in _INBOXES or _INBOXES[key].numel() < numel:
         _INBOXES[key] = torch.empty(numel, dtype=dtype, device=device)
     return _INBOXES[key][:numel]
 
 
+def _run_steps(flat: torch.Tensor, steps: Sequence[RingStep], bounds: Sequence[tuple[int, int]],
+               timeout: Optional[float]) -> None:
+    """Execute ``steps`` on ``flat`` in place; ring chunk ``c`` lives at ``flat[bounds[c][0]:bounds[c][1]]``.
+
+    Each step is one ``batch_isend_irecv``: this rank's send to its right-hand neighbour
+    and its receive from the left-hand one, cut into segments so that adding a received
+    segment overlaps the next still arriving (gloo returns one work per segment; NCCL may
+    return one work for the whole batch, then the adds wait for all of it).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    longest = max((stop - start for start, stop in bounds), default=0)
+    inbox = _inbox(longest, flat.dtype, flat.device)  # reduce-scatter receives here, then adds
+    segment = max(1, _SEGMENT_BYTES // flat.element_size())
+    wait: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    for step in steps:
+        send, recv = step.transfers[rank], step.transfers[(rank - 1) % world_size]
+        (s0, s1), (r0, r1) = bounds[send.chunk], bounds[recv.chunk]
+        reducing = step.phase == "reduce-scatter"
+        target = inbox[:r1 - r0] if reducing else flat[r0:r1]
+        # an empty chunk (numel < world_size) has no segments, for sender and receiver alike
+        sent, received = _segments(s0, s1, segment), _segments(r0, r1, segment)
+        ops = ([dist.P2POp(dist.isend, flat[a:b], send.dst) for a, b in sent]
+               + [dist.P2POp(dist.irecv, target[a - r0:b - r0], recv.src) for a, b in received])
+        if not ops:
+            continue
+        works = dist.batch_isend_irecv(ops)  # [1] one batch per step: sends and receives together
+        if len(works) != len(ops):  # one work for the whole batch: wait for it, then add everything
+            for work in works:
+                work.wait(**wait)
+            works = []
+        for k, (a, b) in enumerate(received):  # [2] reduce (or keep) each segment as it lands
+            if works:
+                works[len(sent) + k].wait(**wait)
+            if reducing:
+                flat[a:b].add_(target[a - r0:b - r0])
+        for work in works[:len(sent)]:  # [3] the sends have left (each work waited once: gloo hangs on a 2nd wait)
+            work.wait(**wait)
+
+
 def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place, like ``dist.all_reduce(tensor)``, by ring messages only.
 
-    Every rank executes the same :func:`ring_steps` record with ``isend``/``irecv``:
-    each step it sends one chunk right and receives one from the left, then adds
+    Every rank executes the same :func:`ring_steps` record, one ``batch_isend_irecv``
+    per step: it sends one chunk right and receives one from the left, then adds
     the received chunk (reduce-scatter) or keeps it (all-gather).
 
     Args:
@@ -187,101 +233,65 @@ def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> to
 
     Raises:
         RuntimeError: no initialised process group, or a step's messages did not arrive in time.
-        TypeError: ``tensor`` is not a tensor.
-        ValueError: ``tensor`` is not contiguous or not on this rank's device.
+        TypeError, ValueError: ``tensor`` is not a tensor, not contiguous or not on this rank's device.
     """
     _check_collective_input(tensor)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     flat = tensor.view(-1)
-    steps = ring_steps(world_size, flat.numel())
-    if not steps:
-        return tensor
-    longest = max(stop - start for start, stop in ring_chunks(world_size, flat.numel()))
-    inbox = _inbox(longest, flat.dtype, flat.device)  # reduce-scatter receives here, then adds
-    segment = max(1, _SEGMENT_BYTES // flat.element_size())
-    wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
-    for step in steps:
-        send = step.transfers[rank]
-        recv = step.transfers[(rank - 1) % world_size]
-        target = inbox[:recv.stop - recv.start] if step.phase == "reduce-scatter" else flat[recv.start:recv.stop]
-        # cut into segments so that adding segment k overlaps with segment k+1 still arriving;
-        # an empty chunk (numel < world_size) has no segments, for sender and receiver alike
-        sends = [dist.isend(flat[a:b], dst=send.dst) for a, b in _segments(send.start, send.stop, segment)]
-        recvs = [(dist.irecv(target[a - recv.start:b - recv.start], src=recv.src), a, b)
-                 for a, b in _segments(recv.start, recv.stop, segment)]
-        for work, a, b in recvs:
-            work.wait(**wait)
-            if step.phase == "reduce-scatter":
-                flat[a:b].add_(target[a - recv.start:b - recv.start])
-        for work in sends:
-            work.wait(**wait)
+    world_size = dist.get_world_size()
+    _run_steps(flat, ring_steps(world_size, flat.numel()), ring_chunks(world_size, flat.numel()), timeout)
     return tensor
 
 
-def _check_cost_args(nbytes: float, world_size: int) -> None:
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got nbytes={nbytes!r}")
-    check_int("world_size", world_size, minimum=1)
+def _shard_input(output: object, input: object, what: str, full: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Check the (output, input) pair of a ring half; ``full`` names the unsharded one. Returns the shard size."""
+    out = _check_collective_input(output, "output", what)
+    inp = _check_collective_input(input, "input", what)
+    world_size = dist.get_world_size()
+    whole, part = (inp, out) if full == "input" else (out, inp)
+    if out.dtype != inp.dtype or whole.numel() != part.numel() * world_size:
+        raise ValueError(f"{what}: {full} must hold world_size={world_size} times the shard's elements in the "
+                         f"same dtype, got input {tuple(inp.shape)} {inp.dtype} and output {tuple(out.shape)} "
+                         f"{out.dtype}; pad the flat buffer to a multiple of the world size")
+    return out.view(-1), inp.view(-1), part.numel()
 
 
-def allreduce_cost(nbytes: float, world_size: int, bandwidth: float, latency: float) -> float:
-    """Seconds a ring all-reduce of ``nbytes`` takes: ``2(N-1)/N * S/B + 2(N-1) * alpha``.
-
-    Each of the 2(N-1) steps pays the per-message latency and moves S/N bytes per link.
-
-    Args:
-        nbytes: message size S in bytes.
-        world_size: number of ranks N.
-        bandwidth: link bandwidth B in bytes per second.
-        latency: per-message latency alpha in seconds.
-
-    Raises:
-        ValueError: negative size or latency, non-positive bandwidth, ``world_size < 1``.
-    """
-    _check_cost_args(nbytes, world_size)
-    if bandwidth <= 0:
-        raise ValueError(f"bandwidth must be > 0 bytes/s, got bandwidth={bandwidth!r}")
-    if latency < 0:
-        raise ValueError(f"latency must be >= 0 s, got latency={latency!r}")
-    n = world_size
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+def _rank_order_bounds(world_size: int, shard: int) -> list[tuple[int, int]]:
+    """Ring chunk c lives at chunk (c-1) % N: rank r, which ends the reduce-scatter owning
+    ring chunk (r+1) % N (module docstring), then owns chunk r, as with torch's collectives."""
+    return [(((c - 1) % world_size) * shard, ((c - 1) % world_size + 1) * shard) for c in range(world_size)]
 
 
-def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
-    """nccl-tests' "algbw": message size over time, in bytes per second."""
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got seconds={seconds!r}")
-    return nbytes / seconds
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
+    """``output`` = chunk ``rank`` of the sum of ``input`` over ranks, by the ring's reduce-scatter phase only.
 
-
-def bus_bandwidth(algbw: float, world_size: int) -> float:
-    """nccl-tests' "busbw" of an all-reduce: ``algbw * 2(N-1)/N``.
-
-    The factor is the share of the message each link carries in a ring, so busbw
-    can be compared with the hardware's link bandwidth whatever the number of ranks.
-    """
-    _check_cost_args(algbw, world_size)
-    return algbw * 2 * (world_size - 1) / world_size
-
-
-def fit_allreduce_cost(nbytes: Sequence[float], seconds: Sequence[float], world_size: int) -> tuple[float, float]:
-    """Least-squares ``(bandwidth, latency)`` of :func:`allreduce_cost` for measured times.
-
-    The model is linear in S, ``t = a * S + b``, so ``B = 2(N-1)/N / a`` and ``alpha = b / 2(N-1)``.
+    Same contract as ``dist.reduce_scatter_tensor(output, input)``: ``input`` holds
+    ``world_size`` equal chunks and is left unchanged; ``output`` gets this rank's summed chunk.
 
     Raises:
-        ValueError: fewer than two distinct sizes, ``world_size < 2``, or a fit with no positive slope.
+        RuntimeError: no process group, or messages that did not arrive within ``timeout`` seconds.
+        TypeError, ValueError: not tensors, not contiguous, not on this rank's device, or sizes that
+            do not match (``input.numel() == world_size * output.numel()``).
     """
-    check_int("world_size", world_size, minimum=2)
-    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
-        raise ValueError(f"need matching sizes and times with >= 2 distinct sizes, got {len(nbytes)} sizes "
-                         f"({len(set(nbytes))} distinct) and {len(seconds)} times")
-    x = torch.tensor(nbytes, dtype=torch.float64)
-    y = torch.tensor(seconds, dtype=torch.float64)
-    design = torch.stack([x, torch.ones_like(x)], dim=1)  # (n_points, 2)
-    # weight each point by 1/t: relative errors, so small messages count as much as large ones
-    slope, intercept = torch.linalg.lstsq(design / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0].tolist()
-    if slope <= 0:
-        raise ValueError(f"times do not grow with size (slope {slope:.3g} s/byte); measure larger messages")
-    n = world_size
-    return 2 * (n - 1) / n / slope, max(intercept, 0.0) / (2 * (n - 1))
+    out, inp, shard = _shard_input(output, input, "ring_reduce_scatter", "input")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    work = inp.clone()  # the ring adds into its buffer; the caller's input stays as it was
+    steps = [s for s in ring_steps(world_size, work.numel()) if s.phase == "reduce-scatter"]
+    _run_steps(work, steps, _rank_order_bounds(world_size, shard), timeout)
+    out.copy_(work[rank * shard:(rank + 1) * shard])
+    return output
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
+    """``output`` = every rank's ``input`` in rank order, by the ring's all-gather phase only.
+
+    Same contract as ``dist.all_gather_into_tensor(output, input)``.
+
+    Raises:
+        The same errors as :func:`ring_reduce_scatter` (here ``output`` is the unsharded tensor).
+    """
+    out, inp, shard = _shard_input(output, input, "ring_all_gather", "output")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    out[rank * shard:(rank + 1) * shard].copy_(inp)
+    steps = [s for s in ring_steps(world_size, out.numel()) if s.phase == "all-gather"]
+    _run_steps(out, steps, _rank_order_bounds(world_size, shard), timeout)
+    return output

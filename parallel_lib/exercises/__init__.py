@@ -33,9 +33,11 @@ _CHECKERS = {
     "check_balanced_device_map": "ch03", "check_training_bytes": "ch03",
     "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05",
+    "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",
+    "check_row_parallel_forward": "ch07", "check_missing_operator": "ch07", "check_tp_block_bytes": "ch07",
     "check_interleaved_bubble": "ch08", "check_fill_the_bubble": "ch08", "check_repair_deadlock": "ch08",
 }
-CHAPTERS = ("00", "01", "02", "03", "04", "05", "08")
+CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
 __all__ = ["CheckResult", "Exercise", "EXERCISES", "CHAPTERS", "exercise", *_CHECKERS]
 

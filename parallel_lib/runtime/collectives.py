@@ -20,7 +20,9 @@ calls ``dist.all_reduce(...)`` is counted; a name bound earlier with
 - ``wire_bytes``, what this rank sends under the ring algorithm that NCCL and gloo use
   for large messages: ``2(N-1)/N · S`` for all-reduce, ``(N-1)/N · S`` for
   reduce-scatter and all-gather, ``S`` for a send, 0 for a receive; a broadcast is
-  counted as ``S`` on the source (a pipelined chain sends each byte once per hop).
+  counted as ``S`` on its source and 0 on every other rank: the bytes the source puts
+  into the group (a chain or tree relays them further, which is the library's business,
+  not the caller's).
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class CollectiveCall:
 
 
 def ring_wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
-    """Bytes one rank sends for a collective of ``nbytes`` over ``group_size`` ranks (ring algorithm)."""
+    """Bytes one rank sends for a collective of ``nbytes`` over ``group_size`` ranks (ring algorithm).
+
+    For a broadcast this is the source's share; the counter records 0 on the other ranks.
+    """
     n = group_size
     if kind == "all_reduce":
         return 2 * (n - 1) / n * nbytes
@@ -107,6 +112,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
 
 _WRAPPED: dict[str, tuple[str, Extractor]] = {
     "all_reduce": ("all_reduce", lambda a, k: (_bytes(_arg(a, k, 0, "tensor")), _arg(a, k, 2, "group"))),
+    # a broadcast's bytes are charged to its source only (_is_source)
     "broadcast": ("broadcast", lambda a, k: (_bytes(_arg(a, k, 0, "tensor")), _arg(a, k, 2, "group"))),
     "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: (_bytes(_arg(a, k, 1, "input")), _arg(a, k, 3, "group"))),
     "reduce_scatter": ("reduce_scatter",
@@ -129,12 +135,19 @@ _active: list[CollectiveCounter] = []
 _originals: dict[str, Callable[..., Any]] = {}
 
 
-def _record(kind: str, nbytes: int, group: Any) -> None:
+def _is_source(args: tuple, kwargs: dict) -> bool:
+    """Whether this rank is a broadcast's source (``src`` is a global rank, ``group_src`` a group rank)."""
+    if kwargs.get("group_src") is not None:
+        return dist.get_rank(_arg(args, kwargs, 2, "group")) == kwargs["group_src"]
+    return dist.get_rank() == _arg(args, kwargs, 1, "src")
+
+
+def _record(kind: str, nbytes: int, group: Any, sends: bool = True) -> None:
     if kind in ("send", "recv"):
         size, ranks = 2, ()
     else:
         size, ranks = _group(group)
-    call = CollectiveCall(kind, nbytes, size, ring_wire_bytes(kind, nbytes, size), ranks)
+    call = CollectiveCall(kind, nbytes, size, ring_wire_bytes(kind, nbytes, size) if sends else 0.0, ranks)
     for counter in list(_active):
         counter.calls.append(call)
 
@@ -152,7 +165,7 @@ class _Counted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not getattr(_inside_batch, "active", False):  # a batch counts its ops itself
             nbytes, group = self.extract(args, kwargs)
-            _record(self.kind, nbytes, group)
+            _record(self.kind, nbytes, group, sends=self.kind != "broadcast" or _is_source(args, kwargs))
         return self.__wrapped__(*args, **kwargs)
 
     def __eq__(self, other: object) -> bool:

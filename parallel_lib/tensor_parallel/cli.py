@@ -1,0 +1,69 @@
+"""``python -m parallel_lib.tensor_parallel``: tensor-parallel GPT-2 training from a shell, launched here or by torchrun.
+
+Every :class:`TPConfig` field is a flag. Rank 0 prints the losses, tokens/s, this rank's
+collectives beside the formula's, the bytes it holds, and with ``--check`` the largest
+difference between the gathered parameters and one process trained on the same batches::
+
+    python -m parallel_lib.tensor_parallel --world-size 2 --sequence-parallel --check
+    torchrun --standalone --nproc-per-node 4 -m parallel_lib.tensor_parallel --tp 2 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, fields, replace
+from typing import Optional
+
+from parallel_lib.common.models import gpt2_config
+from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
+from parallel_lib.tensor_parallel.cost import GPTShape, step_collectives, wire_bytes
+from parallel_lib.tensor_parallel.train import TPConfig, dense_run, tp_worker
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Parse the flags, run the job (``launch`` or torchrun), print rank 0's summary; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m parallel_lib.tensor_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=None, help="ranks to launch (default 2; under torchrun "
+                        "its --nproc-per-node x --nnodes)")
+    parser.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    parser.add_argument("--check", action="store_true", help="also train one process and compare the parameters")
+    for f in fields(TPConfig):
+        value, flag = getattr(TPConfig(), f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = vars(parser.parse_args(argv))
+    world_size = args.pop("world_size") or (None if is_torchrun() else 2)
+    launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
+    check = args.pop("check")
+    config = replace(TPConfig(), **args)
+    results = run(tp_worker, world_size, config, **launch_kwargs)
+    if (RankInfo.from_env().rank if is_torchrun() else 0) != 0:
+        return 0
+    first = results[0]
+    print(f"tensor-parallel GPT-2 on {machine_label()}: tp={first.tp} dp={first.dp} "
+          + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
+    print(f"  losses          {[round(v, 4) for v in first.record.losses]}")
+    print(f"  tokens/s        {first.record.describe_throughput(min(1, first.record.steps - 1))}")
+    shape = GPTShape.of(gpt2_config(config.model, config.vocab_size, **config.overrides()))
+    if first.dp == 1:
+        expected = step_collectives(shape, config.batch_size, config.seq_len, first.tp, config.sequence_parallel)
+        print(f"  collectives     {first.collectives} (formula {expected}: "
+              f"{'equal' if expected == first.collectives else 'DIFFERENT'})")
+        print(f"  sent per step   {first.wire_bytes / 1e6:.3f} MB (formula {wire_bytes(expected, first.tp) / 1e6:.3f} MB)")
+    print(f"  parameters      {first.parameter_bytes / 1e6:.3f} MB on each rank")
+    print(f"  activations     {first.activation_bytes / 1e6:.3f} MB saved for backward on rank 0")
+    if check:
+        losses, state = dense_run(config, first.dp)
+        worst = max(float((first.state[k] - state[k]).abs().max()) for k in state)
+        print(f"  one process     losses {[round(v, 4) for v in losses]}; largest parameter difference {worst:.2e}")
+        if worst > 3e-4:
+            print("  MISMATCH: the tensor-parallel run does not match one process")
+            return 1
+        print("  matches one process")
+    return 0

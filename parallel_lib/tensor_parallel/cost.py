@@ -1,0 +1,164 @@
+"""What tensor parallelism costs: collectives per step, bytes per device, and an α–β time model.
+
+The formulas here are checked against what the code does: :func:`step_collectives`
+against :func:`parallel_lib.runtime.count_collectives` on every rank,
+:func:`shard_parameters` against the shard's parameters. The time model is the course's
+α–β model (:func:`parallel_lib.data_parallel.ring.allreduce_cost`): each collective costs
+a latency per ring step plus its bytes over the bandwidth, and the compute divides by t.
+
+Per block and pass, with (b, s, h) activations of ``e`` bytes per element:
+
+- tensor parallel: forward 2 all-reduces of ``b·s·h`` (the two ``g``), backward 2 (the two ``f``);
+- sequence parallel: forward 2 all-gathers + 2 reduce-scatters of the same ``b·s·h``,
+  backward the same: each rank sends the same bytes, ``4 (t-1)/t · b·s·h·e`` per pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from parallel_lib.common.checks import check_number, positive_int
+from parallel_lib.data_parallel.ring import allreduce_cost
+from parallel_lib.runtime.collectives import ring_wire_bytes
+
+__all__ = ["GPTShape", "layer_collectives", "step_collectives", "wire_bytes", "shard_parameters",
+           "activation_bytes", "training_flops", "collective_seconds", "step_seconds", "crossover_width",
+           "NVLINK_H100"]
+
+Collectives = dict[str, tuple[int, int]]  # kind -> (calls, message bytes), as CollectiveCounter.by_kind()
+
+# NVIDIA H100 SXM datasheet: NVLink 900 GB/s (both directions together, so 450 GB/s per direction);
+# latency of a few microseconds per NCCL ring step (nccl-tests small-message times). A prediction, not measured.
+NVLINK_H100 = dict(bandwidth=450e9, latency=5e-6)
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The sizes the formulas need (GPT-2's names)."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    n_positions: int
+
+    @classmethod
+    def of(cls, config: object) -> GPTShape:
+        """From a ``GPT2Config``."""
+        return cls(*(int(getattr(config, k)) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")))
+
+
+def _add(total: Collectives, kind: str, calls: int, nbytes: int) -> None:
+    if calls:
+        old = total.get(kind, (0, 0))
+        total[kind] = (old[0] + calls, old[1] + nbytes)
+
+
+def layer_collectives(batch: int, seq: int, hidden: int, sequence_parallel: bool = False,
+                      bytes_per_element: int = 4) -> dict[str, Collectives]:
+    """One block's collectives: ``{"forward": {...}, "backward": {...}}`` (two ``g`` / two ``f``)."""
+    size = batch * seq * hidden * bytes_per_element
+    if sequence_parallel:
+        both = {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)}
+        return {"forward": dict(both), "backward": dict(both)}
+    return {"forward": {"all_reduce": (2, 2 * size)}, "backward": {"all_reduce": (2, 2 * size)}}
+
+
+def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
+                     bytes_per_element: int = 4) -> Collectives:
+    """A training step's collectives on one rank of a tensor-parallel GPT-2 (no data parallelism).
+
+    Blocks (:func:`layer_collectives`), plus the vocabulary-parallel embedding (one ``g``
+    forward, or a reduce-scatter; under SP its backward all-gathers), the tied head's
+    input (``f`` backward, or an all-gather forward and reduce-scatter backward), the
+    loss's three all-reduces of ``b·s`` values (max, target logit, sum of exp), and under
+    SP one all-reduce of the gradients of the sequence-parallel parameters.
+    """
+    for name, value in dict(batch=batch, seq=seq, tp=tp).items():
+        positive_int(name, value)
+    if tp == 1:
+        return {}
+    size, e = batch * seq * shape.n_embd * bytes_per_element, bytes_per_element
+    total: Collectives = {}
+    per_layer = layer_collectives(batch, seq, shape.n_embd, sequence_parallel, bytes_per_element)
+    for phase in ("forward", "backward"):
+        for kind, (calls, nbytes) in per_layer[phase].items():
+            _add(total, kind, shape.n_layer * calls, shape.n_layer * nbytes)
+    if sequence_parallel:
+        _add(total, "reduce_scatter", 2, 2 * size)  # embedding forward, head input backward
+        _add(total, "all_gather", 2, 2 * size)      # head input forward, embedding backward
+    else:
+        _add(total, "all_reduce", 2, 2 * size)      # embedding forward (g), head input backward (f)
+    _add(total, "all_reduce", 3, 3 * batch * seq * 4)  # the loss: max, target logit, sum of exp (fp32)
+    if sequence_parallel:  # layer norms (weight, bias), two row biases per block; ln_f; position embedding
+        h = shape.n_embd
+        _add(total, "all_reduce", 1, (shape.n_layer * 6 * h + 2 * h + shape.n_positions * h) * e)
+    return total
+
+
+def wire_bytes(collectives: Collectives, tp: int) -> float:
+    """Bytes one rank sends for ``collectives`` under the ring algorithm."""
+    return sum(ring_wire_bytes(kind, nbytes, tp) for kind, (_, nbytes) in collectives.items())
+
+
+def shard_parameters(shape: GPTShape, tp: int) -> int:
+    """Parameters one rank holds: split matrices and column biases /t, layer norms, row biases and positions whole."""
+    check = shape.n_head % tp or shape.vocab_size % tp
+    if check:
+        raise ValueError(f"tp={tp} must divide n_head={shape.n_head} and vocab_size={shape.vocab_size}")
+    h = shape.n_embd
+    split = 12 * h * h + 3 * h + 4 * h  # c_attn, c_proj, c_fc, mlp_proj weights; c_attn and c_fc biases
+    whole = 4 * h + 2 * h              # two layer norms; c_proj and mlp_proj biases
+    return shape.n_layer * (split // tp + whole) + shape.vocab_size * h // tp + shape.n_positions * h + 2 * h
+
+
+def activation_bytes(batch: int, seq: int, shape: GPTShape, tp: int = 1, sequence_parallel: bool = False,
+                     attention_scores: bool = True) -> float:
+    """Activation bytes a rank keeps for backward, 16-bit training (Korthikanti et al. 2022, eqs. 2–4).
+
+    Per block: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism, where the 10
+    (layer norms, dropout masks, residual inputs) stays whole on every rank; sequence
+    parallelism splits it too: ``s·b·h·(34/t + 5·a·s/(h·t))``.
+    """
+    s, b, h, a = seq, batch, shape.n_embd, shape.n_head
+    scores = 5 * a * s / (h * tp) if attention_scores else 0.0
+    replicated = 10 / tp if sequence_parallel else 10
+    return shape.n_layer * s * b * h * (replicated + 24 / tp + scores)
+
+
+def training_flops(shape: GPTShape, batch: int, seq: int) -> float:
+    """FLOPs of one training step: ``72·b·s·L·h²·(1 + s/(6h) + V/(12·h·L))`` (Narayanan et al. 2021, eq. 3)."""
+    b, s, L, h, V = batch, seq, shape.n_layer, shape.n_embd, shape.vocab_size
+    return 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+
+
+def collective_seconds(collectives: Collectives, tp: int, bandwidth: float, latency: float) -> float:
+    """α–β time of ``collectives``: an all-reduce is a reduce-scatter plus an all-gather (2(t-1) ring steps)."""
+    positive_int("tp", tp)
+    seconds = 0.0
+    for kind, (calls, nbytes) in collectives.items():
+        full = allreduce_cost(nbytes, tp, bandwidth, 0.0) + calls * 2 * (tp - 1) * latency
+        seconds += full if kind == "all_reduce" else full / 2
+    return seconds
+
+
+def step_seconds(shape: GPTShape, batch: int, seq: int, tp: int, flops_per_second: float, bandwidth: float,
+                 latency: float, sequence_parallel: bool = False) -> dict[str, float]:
+    """Predicted step time: compute ``training_flops / (t · rate)`` plus the step's collectives."""
+    check_number("flops_per_second", flops_per_second, 0.0, strict=True)
+    compute = training_flops(shape, batch, seq) / (tp * flops_per_second)
+    comm = collective_seconds(step_collectives(shape, batch, seq, tp, sequence_parallel), tp, bandwidth, latency)
+    return dict(compute=compute, communication=comm, total=compute + comm)
+
+
+def crossover_width(shape: GPTShape, batch: int, seq: int, flops_per_second: float, bandwidth: float,
+                    latency: float, tp: int = 2, widths: Optional[list[int]] = None) -> Optional[int]:
+    """The smallest width (a multiple of 64·tp, heads of 64) at which tp ranks beat one, or None up to 8192."""
+    for h in widths or list(range(64 * tp, 8193, 64 * tp)):
+        wide = GPTShape(shape.n_layer, h, max(tp, h // 64), shape.vocab_size, shape.n_positions)
+        one = step_seconds(wide, batch, seq, 1, flops_per_second, bandwidth, latency)["total"]
+        many = step_seconds(wide, batch, seq, tp, flops_per_second, bandwidth, latency)["total"]
+        if many < one:
+            return h
+    return None

@@ -1,0 +1,144 @@
+"""Exactness checks that run inside ranks: each split layer, and GPT-2, against the dense original.
+
+Each function is a ``launch`` worker (``fn(rank, world_size, ...)``) that returns the
+largest differences it found, so a test asserts them and a notebook prints them. Every
+rank builds the dense original from one seed and compares its shard with the same
+slice of the dense result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel_lib.common.models import build_gpt2
+from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.tensor_parallel import regions as R
+from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
+from parallel_lib.tensor_parallel.gpt2 import sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+
+__all__ = ["mlp_check", "broken_mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "many", "diff"]
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference of two tensors."""
+    return float((a.detach() - b.detach()).abs().max())
+
+
+def mlp_check(rank: int, world_size: int, sequence_parallel: bool = False, hidden: int = 16,
+              batch: int = 2, seq: int = 8, skip_f: bool = False) -> dict[str, Any]:
+    """A column-parallel then row-parallel MLP against the dense one: outputs, input and weight gradients.
+
+    Returns ``{"output", "input_grad", "column_weight_grad", "row_weight_grad", "row_bias_grad"}``
+    (largest differences) and ``"collectives"``: the counted ``{kind: (calls, bytes)}``.
+    ``skip_f`` breaks the layer on purpose (the column layer's input does not pass through ``f``).
+    """
+    torch.manual_seed(0)
+    dense_col, dense_row = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    upstream = torch.randn(batch, seq, hidden)
+    y = dense_row(F.gelu(dense_col(x)))
+    y.backward(upstream)
+
+    col = ColumnParallelLinear.from_dense(dense_col, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_dense(dense_row, sequence_parallel=sequence_parallel)
+    tp, r = R.group_size(None), R.group_rank(None)
+    slice_seq = (lambda t: t.chunk(tp, 1)[r]) if sequence_parallel else (lambda t: t)
+    x_mine = slice_seq(x.detach()).clone().requires_grad_(True)
+    with count_collectives() as counter:
+        hidden_mine = F.linear(x_mine, col.weight, col.bias) if skip_f else col(x_mine)
+        y_mine = row(F.gelu(hidden_mine))
+        y_mine.backward(slice_seq(upstream))
+    row_bias_grad = row.bias.grad.clone()
+    if sequence_parallel:  # each rank's bias saw its slice of the sequence
+        torch.distributed.all_reduce(row_bias_grad)
+    return dict(output=diff(y_mine, slice_seq(y)), input_grad=diff(x_mine.grad, slice_seq(x.grad)),
+                column_weight_grad=diff(col.weight.grad, dense_col.weight.grad.chunk(tp, 0)[r]),
+                row_weight_grad=diff(row.weight.grad, dense_row.weight.grad.chunk(tp, 1)[r]),
+                row_bias_grad=diff(row_bias_grad, dense_row.bias.grad), collectives=counter.by_kind())
+
+
+def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = False) -> dict[str, Any]:
+    """Tensor-parallel GPT-2 against Hugging Face's dense model on one padded batch.
+
+    Returns the largest differences of the logits (on tokens that are not padding), the
+    loss and every parameter's gradient (gathered into the dense layout), and the step's
+    counted collectives (forward and backward).
+    """
+    dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())
+    model = tensor_parallelize(dense, None, config.sequence_parallel, naive_qkv=naive_qkv)
+    batch = make_batches(config)[0]
+    ids, mask, labels, weights = batch["input_ids"], batch["attention_mask"], batch["labels"], batch["label_token_weights"]
+    logits = dense(ids, attention_mask=mask).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    loss = (ce * weights.flatten()).sum() / weights.sum()
+    loss.backward()
+
+    with count_collectives() as counter:
+        mine = model(ids, mask)
+        forward_calls = counter.by_kind()
+        my_loss = model.loss(mine, labels, weights)
+        my_loss.backward()
+    sync_sequence_parallel_grads(model)
+    gathered_logits = R._all_gather(mine.detach(), -1, None)
+    for p in model.parameters():  # carry the gradients through gather_dense by swapping them in
+        p.data, p.grad = p.grad, p.data
+    grads = gather_dense(model)
+    keep = mask.bool()
+    grad_diff = max(diff(g, p.grad) for (name, g), p in zip(grads.named_parameters(), dense.parameters()))
+    return dict(logits=diff(gathered_logits[keep], logits[keep]), loss=abs(float(my_loss.detach()) - float(loss.detach())),
+                grads=grad_diff, forward=forward_calls, step=counter.by_kind())
+
+
+def bad_input_check(rank: int, world_size: int) -> dict[str, str]:
+    """The errors a rank gets for a head count the group's size does not divide and for a group without it.
+
+    Returns ``{"heads": message, "group": message}`` ("" where nothing was raised).
+    """
+    model = build_gpt2("tiny", vocab_size=96 * world_size)  # 4 heads
+    errors = {}
+    try:
+        tensor_parallelize(model, None)
+        errors["heads"] = ""
+    except ValueError as e:
+        errors["heads"] = str(e)
+    others = torch.distributed.new_group([r for r in range(world_size) if r != 0])
+    if rank == 0:
+        try:
+            tensor_parallelize(build_gpt2("tiny", vocab_size=96, n_head=2), others)
+            errors["group"] = ""
+        except ValueError as e:
+            errors["group"] = str(e)
+    return errors
+
+
+def layer_trace(rank: int, world_size: int, sequence_parallel: bool = False, batch: int = 2,
+                seq: int = 8) -> list[Any]:
+    """The operators one GPT-2 block issues, forward then backward, as :func:`.regions.record_regions` saw them.
+
+    The chapter's widget replays this record: it is the layer code's own, not a drawing of it.
+    """
+    model = tensor_parallelize(build_gpt2("tiny", vocab_size=64 * world_size, n_layer=1), None, sequence_parallel)
+    local_seq = seq // world_size if sequence_parallel else seq
+    x = torch.randn(batch, local_seq, model.config.n_embd, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    with R.record_regions() as trace:
+        y = model.h[0](x, model._mask_bias(seq, None, x.dtype, x.device), model)
+        y.sum().backward()
+    return trace
+
+
+def many(rank: int, world_size: int, calls: list[tuple[Any, tuple]]) -> list[Any]:
+    """Run several workers ``fn(rank, world_size, *args)`` one after the other in the same ranks (one launch)."""
+    return [fn(rank, world_size, *args) for fn, args in calls]
+
+
+def broken_mlp_check(rank: int, world_size: int) -> dict[str, float]:
+    """The chapter's exercise: an MLP with one operator's collective missing, compared with the dense one."""
+    result = mlp_check(rank, world_size, skip_f=True)
+    return {k: v for k, v in result.items() if k in ("output", "column_weight_grad", "row_weight_grad", "input_grad")}

@@ -1,0 +1,154 @@
+"""Tensor parallelism (chapter 07): every split layer and GPT-2 equal the dense model, traffic equals the formula.
+
+Ranks are gloo processes on this CPU (``launch``). Each multi-rank test compares against
+one process computing the dense model: outputs, gradients, and parameters after k AdamW
+steps, gathered back into the dense layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel_lib.common import build_gpt2, gpt2_config
+from parallel_lib.runtime import launch
+from parallel_lib.tensor_parallel import (
+    GPTShape,
+    TPConfig,
+    dense_run,
+    gather_dense,
+    layer_collectives,
+    naive_qkv_rows,
+    qkv_rows,
+    step_collectives,
+    tensor_parallelize,
+    tp_worker,
+)
+from parallel_lib.tensor_parallel.cost import shard_parameters
+from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, mlp_check
+from parallel_lib.tensor_parallel.vocab import vocab_range
+
+TOL = 1e-5
+
+
+def test_qkv_rows_keep_each_ranks_heads_of_q_k_and_v():
+    # n_embd 8, 2 heads of 4: rank 1 keeps head 1 of q (4..7), of k (12..15) and of v (20..23)
+    assert qkv_rows(8, 2, 1, 2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    # the contiguous split gives rank 0 all of q and half of k: the classic mistake
+    assert naive_qkv_rows(8, 0, 2).tolist() == list(range(12))
+    rows = torch.cat([qkv_rows(64, 4, r, 4) for r in range(4)])
+    assert sorted(rows.tolist()) == list(range(192))  # every feature kept exactly once
+
+
+def test_bad_sizes_name_the_argument():
+    with pytest.raises(ValueError, match="n_head=4 is not divisible by the tensor-parallel size tp=3"):
+        qkv_rows(64, 4, 0, 3)
+    with pytest.raises(ValueError, match="vocab_size=127 is not divisible.*pad the vocabulary"):
+        vocab_range(127, 0, 2)
+
+
+def test_already_split_or_not_gpt2_is_refused():
+    model = tensor_parallelize(build_gpt2("tiny", vocab_size=64))
+    with pytest.raises(ValueError, match="already tensor-parallel"):
+        tensor_parallelize(model)
+    with pytest.raises(TypeError, match="GPT2LMHeadModel"):
+        tensor_parallelize(torch.nn.Linear(2, 2))
+
+
+def test_one_rank_forward_is_hugging_faces_gpt2_and_gathers_back():
+    dense = build_gpt2("tiny", vocab_size=64).eval()
+    model = tensor_parallelize(dense).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0  # right padding
+    expected = dense(ids, attention_mask=mask).logits
+    got = model(ids, mask)
+    assert (got - expected)[mask.bool()].abs().max() < TOL
+    labels = torch.randint(0, 64, (2, 12))
+    ce = F.cross_entropy(expected.flatten(0, 1), labels.flatten(), reduction="none")
+    assert abs(model.loss(got, labels, mask.float()) - (ce * mask.flatten()).sum() / mask.sum()) < TOL
+    back = gather_dense(model)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), dense.state_dict().values()))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_then_row_mlp_equals_dense(tp, sequence_parallel):
+    result = launch(mlp_check, tp, sequence_parallel, backend="gloo", timeout=120)
+    for rank, r in enumerate(result):
+        counted = r.pop("collectives")
+        assert max(r.values()) < TOL, (rank, r)
+        # the MLP's forward g and backward f move as much as a block's two forward g
+        assert counted == layer_collectives(2, 8, 16, sequence_parallel)["forward"]
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True), (4, False), (4, True)])
+def test_gpt2_logits_loss_and_gradients_equal_dense(tp, sequence_parallel):
+    config = TPConfig(sequence_parallel=sequence_parallel)
+    results = launch(gpt2_check, tp, config, backend="gloo", timeout=120)
+    shape = GPTShape.of(gpt2_config("tiny", config.vocab_size))
+    for r in results:
+        assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
+        # a whole step without the SP gradient all-reduce (made after the counted block)
+        expected = step_collectives(shape, config.batch_size, config.seq_len, tp, sequence_parallel)
+        if sequence_parallel:
+            calls, nbytes = expected["all_reduce"]
+            sync = (shape.n_layer * 6 + 2 + shape.n_positions) * shape.n_embd * 4
+            expected["all_reduce"] = (calls - 1, nbytes - sync)
+        assert r["step"] == expected
+
+
+def test_naive_c_attn_split_is_wrong():
+    result = launch(gpt2_check, 2, TPConfig(), True, backend="gloo", timeout=120)[0]
+    assert result["logits"] > 1e-2 and result["grads"] > 1e-3
+
+
+def test_training_with_tp_and_sp_equals_one_process_and_sp_saves_activations():
+    saved = {}
+    for sequence_parallel in (False, True):
+        config = TPConfig(sequence_parallel=sequence_parallel, steps=3)
+        results = launch(tp_worker, 2, config, backend="gloo", timeout=180)
+        losses, state = dense_run(config)
+        shape = GPTShape.of(gpt2_config(config.model, config.vocab_size))
+        assert results[0].record.losses == pytest.approx(losses, rel=1e-5)
+        # AdamW turns gradient differences of ~1e-8 into updates of up to lr on near-zero gradients
+        assert max((results[0].state[k] - state[k]).abs().max() for k in state) < 3e-4
+        for r in results:
+            assert r.collectives == step_collectives(shape, config.batch_size, config.seq_len, 2, sequence_parallel)
+            assert r.parameter_bytes == 4 * shard_parameters(shape, 2)
+        saved[sequence_parallel] = results[0].activation_bytes
+    assert saved[True] < saved[False]
+
+
+def test_four_way_training_and_dropout_equal_one_process():
+    config = TPConfig(dropout=0.1, steps=2)
+    results = launch(tp_worker, 4, config, backend="gloo", timeout=180)
+    losses, state = dense_run(config)
+    assert results[0].record.losses == pytest.approx(losses, rel=1e-5)
+    assert losses != pytest.approx(dense_run(TPConfig(steps=2))[0], rel=1e-4)  # the dropout did drop
+    assert max((results[0].state[k] - state[k]).abs().max() for k in state) < 3e-4
+
+
+def test_tensor_times_data_parallel_on_four_ranks_equals_one_process():
+    config = TPConfig(tp=2, steps=2, sequence_parallel=True)
+    results = launch(tp_worker, 4, config, backend="gloo", timeout=180)
+    losses, state = dense_run(config, dp=2)
+    assert [(r.tp, r.dp) for r in results] == [(2, 2)] * 4
+    assert results[0].record.losses == pytest.approx(losses, rel=1e-5)
+    assert max((results[0].state[k] - state[k]).abs().max() for k in state) < 3e-4
+
+
+def test_heads_not_divisible_and_foreign_group_are_clear_errors():
+    results = launch(bad_input_check, 3, backend="gloo", timeout=120)
+    assert "n_head=4 is not divisible by the tensor-parallel size tp=3" in results[1]["heads"]
+    assert "group does not contain this process (global rank 0" in results[0]["group"]
+
+
+
+def test_pytorch_dtensor_split_gives_the_same_outputs_and_the_pitfall_shows_there_too():
+    from parallel_lib.tensor_parallel.dtensor import dtensor_check
+
+    for r in launch(dtensor_check, 2, TPConfig(), backend="gloo", timeout=120):
+        assert r["logits"] < TOL and r["loss"] < TOL and r["c_attn_grad"] < TOL, r
+        assert r["naive_logits"] > 1e-2  # ColwiseParallel on the fused c_attn as stored: wrong heads
