@@ -51,6 +51,7 @@ from parallel_lib.gpu_checks import (
     check_dp,
     check_model_parallel,
     check_pipeline,
+    check_schedules,
     check_sharding,
     check_tensor_parallel,
     device_counts,
@@ -117,6 +118,8 @@ register_check("sharding", Check("06_sharded_data_parallel", 2, "ZeRO-0..3, Zero
                                  "ranks: equivalence with one process, census, bench sharding", check_sharding))
 register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
                                         "ranks: equivalence with one process", check_tensor_parallel))
+register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 schedule's Pipe over cuda:0, "
+                                  "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
 
 
 # --------------------------------------------------------------------------- plan

@@ -117,6 +117,15 @@ def _pipeline_schedules(fractions: Sequence[float] = ()) -> Figure:
     return render_schedules([make_schedule(name, 4, 8) for name in ("gpipe", "1f1b")], (1.0, 2.0), fractions)
 
 
+# ----------------------------------------------------------------------------- chapter 08
+
+def _schedule_zoo() -> Figure:
+    from parallel_lib.pipeline_parallel import make_schedule
+    from parallel_lib.viz.schedule import render_schedules
+    names = ("1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+    return render_schedules([make_schedule(name, 4, 8) for name in names], (1.0, 2.0), title="F = B = W = 1")
+
+
 # ----------------------------------------------------------------------------- chapter 05
 
 def _strategy_options() -> Figure:
@@ -187,6 +196,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("zero3_timeline", "ch06", True, _zero3_timeline),
     FigureSpec("tp_layer_steps", "ch07", False, _tp_layer_steps),
     FigureSpec("tp_step_times", "ch07", True, _tp_step_times),
+    FigureSpec("pipeline_schedules_ch08", "ch08", False, _schedule_zoo),
 ]
 
 

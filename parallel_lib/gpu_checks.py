@@ -305,3 +305,39 @@ def check_tensor_parallel(n_gpus: int, quick: bool = False) -> str:
                       markdown_table(["tp", "dp", "sequence parallel", "max abs parameter difference",
                                       "max relative loss difference", "target tokens/s (rank 0)",
                                       "activations MB (rank 0)"], rows, "rrlrrrr")])
+
+
+# --------------------------------------------------------------------------- chapter 08
+
+
+def check_schedules(n_gpus: int, quick: bool = False) -> str:
+    """Chapter 08: every schedule's Pipe over cuda:0, cuda:1 (GPT-2 stages): gradients vs one GPU, step time."""
+    from parallel_lib.pipeline_parallel.schedule import make_schedule, stages_per_rank
+    workload = workload_for(quick)
+    vocab_size, batches = _batches(workload)
+    reference = build_gpt2(workload.model, vocab_size=vocab_size)
+    first = resolve_device(0)
+    expected = _loss_and_grads(copy.deepcopy(reference).to(first), batches[0], first)
+    batch = batches[0]
+    ids, target = batch["input_ids"], (batch["labels"], batch["label_token_weights"])
+    loss_fn = partial(weighted_cross_entropy, denominator=batch["label_token_weights"].sum())
+    m = 4 if workload.rows >= 4 else 2  # interleaved needs m a multiple of p = 2
+    rows = []
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv"):
+        make_schedule(name, 2, m)  # refuses an m the schedule cannot run
+        model = copy.deepcopy(reference)
+        stages = gpt2_stages(model, ["cpu"] * (2 * stages_per_rank(name)))  # one Pipe layer per model stage
+        with Pipe(stages, [0, 1], chunks=m, schedule=name) as pipe:
+            clock, times = DeviceClock(pipe.devices), []
+            for _ in range(max(2, workload.repeats)):
+                stages.zero_grad(set_to_none=True)
+                start = clock()
+                got = _grads(model, pipe.train_step(ids, target, loss_fn, reduction="sum"))
+                times.append(clock() - start)
+        difference = _max_difference(expected, got, f"Pipe {name} on {pipe.devices}")
+        rows.append([name, m, f"{difference:.1e}", f"{statistics.median(times[1:]) * 1e3:.1f}"])
+        del model, stages
+        free_memory()
+    return "\n".join([f"Pipeline schedules (chapter 08), GPT-2 ({workload.model}) over 2 devices, loss and gradients "
+                      "against one device:", "",
+                      markdown_table(["schedule", "m", "max abs difference", "ms / step"], rows, "lrrr")])

@@ -38,8 +38,9 @@ _CHECKERS = {
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
     "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",
     "check_row_parallel_forward": "ch07", "check_missing_operator": "ch07", "check_tp_block_bytes": "ch07",
+    "check_interleaved_bubble": "ch08", "check_fill_the_bubble": "ch08", "check_repair_deadlock": "ch08",
 }
-CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07")
+CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
 _LAB = ("grade", "grade_notebook", "launch_cell", "section_cells", "hide_solutions")
 

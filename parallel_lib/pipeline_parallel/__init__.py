@@ -1,6 +1,6 @@
-"""Pipeline parallelism (chapter 04): schedules as data (``clock_cycles``, GPipe, 1F1B,
-validator, simulator), micro-batches, worker threads, the threaded :class:`Pipe`, and GPT-2
-cut into stages.
+"""Pipeline parallelism (chapters 04 and 08): schedules as data (``clock_cycles``, GPipe, 1F1B,
+interleaved 1F1B, ZB-H1, ZB-H2, ZBV; validator, hang gallery, simulator), micro-batches, worker
+threads, the threaded :class:`Pipe`, and GPT-2 cut into stages.
 """
 
 from parallel_lib.pipeline_parallel.gpt2 import GPT2Blocks, GPT2Embedding, GPT2Head, GPT2Stages, gpt2_stages, lm_loss
@@ -14,8 +14,11 @@ from parallel_lib.pipeline_parallel.microbatch import (
     split_layers,
     split_like,
 )
+from parallel_lib.pipeline_parallel.generators import interleaved_1f1b, zb_h1, zb_h2, zbv
+from parallel_lib.pipeline_parallel.hangs import check_blocking, check_schedule, hang_gallery, parse_schedule
 from parallel_lib.pipeline_parallel.pipe import Pipe, StageError
 from parallel_lib.pipeline_parallel.schedule import (
+    ALL_SCHEDULES,
     SCHEDULES,
     Action,
     Schedule,
@@ -28,8 +31,10 @@ from parallel_lib.pipeline_parallel.schedule import (
     one_f_one_b,
     simulate,
     stage_lane,
+    stages_per_rank,
     validate_schedule,
 )
+from parallel_lib.pipeline_parallel.simulator import SimResult, simulate_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.timeline_stats import in_flight, stage_costs_from_events
 from parallel_lib.pipeline_parallel.worker import THREAD_PREFIX, Task, Workers
@@ -58,6 +63,18 @@ __all__ = [
     "Action",
     "Schedule",
     "SCHEDULES",
+    "ALL_SCHEDULES",
+    "stages_per_rank",
+    "interleaved_1f1b",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+    "check_blocking",
+    "check_schedule",
+    "hang_gallery",
+    "parse_schedule",
+    "SimResult",
+    "simulate_schedule",
     "gpipe",
     "one_f_one_b",
     "make_schedule",

@@ -32,25 +32,38 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel_lib.pipeline_parallel.schedule import Schedule
+from parallel_lib.pipeline_parallel.schedule import Action, Schedule
 
 __all__ = ["Message", "Exchange", "exchange_plan", "find_deadlock", "StageLink", "wait_for"]
 
 
 @dataclass(frozen=True)
 class Message:
-    """One tensor between neighbouring stages: micro-batch i's activation (to j+1) or gradient (to j-1)."""
+    """One tensor between stages on different ranks: micro-batch i's activation or gradient.
+
+    ``stage`` is the model stage the tensor is for (an activation goes to stage s from s-1, a
+    gradient to stage s from s+1); None when every rank holds one stage (then the neighbour is
+    the next rank for activations and the previous one for gradients).
+    """
 
     kind: Literal["activation", "gradient"]
     micro_batch: int
+    stage: Optional[int] = None
 
     def __str__(self) -> str:
-        return f"{self.kind} {self.micro_batch}"
+        return f"{self.kind} {self.micro_batch}" + ("" if self.stage is None else f" for stage {self.stage}")
 
     @property
     def step(self) -> int:
         """The neighbour it goes to (+1 for activations) or comes from, relative to the stage."""
         return 1 if self.kind == "activation" else -1
+
+    def ranks(self, schedule: Schedule, me: int, sending: bool) -> tuple[int, int]:
+        """``(source rank, destination rank)`` of this message as rank ``me`` sends or receives it."""
+        if self.stage is None:
+            return (me, me + self.step) if sending else (me - self.step, me)
+        source_stage = self.stage - self.step
+        return schedule.placement[source_stage], schedule.placement[self.stage]
 
 
 @dataclass
@@ -67,31 +80,53 @@ class Exchange:
         return "[" + " | ".join(parts) + "]"
 
 
-def exchange_plan(schedule: Schedule, j: int, paired: bool = True) -> list[Exchange]:
-    """Stage j's exchanges, in order: the sends of action k-1 with the receives of action k.
+def _messages(schedule: Schedule, j: int, action: Action, out: bool) -> list[Message]:
+    """What ``action`` on rank j sends (``out``) or must receive first, to or from another rank."""
+    s, i, place = schedule.stage_of(j, action), action.micro_batch, schedule.placement
+    one = schedule.placement == tuple(range(schedule.num_stages)) and action.stage is None
+    if action.kind == "W":
+        return []
+    if action.kind == "F":
+        to = s + 1 if out else s  # the stage the activation is for
+        kind: Literal["activation", "gradient"] = "activation"
+        other = to if out else s - 1
+    else:
+        to = s - 1 if out else s
+        kind = "gradient"
+        other = to if out else s + 1
+    if not 0 <= other < len(place) or place[other] == j:
+        return []  # no neighbour, or the neighbour stage lives on this rank: no message
+    return [Message(kind, i, None if one else to)]
+
+
+def exchange_plan(schedule: Schedule, j: int, paired: bool = True, sender_order: bool = False) -> list[Exchange]:
+    """Rank j's exchanges, in order: the sends of action k-1 with the receives of action k.
 
     Args:
         schedule: the pipeline's schedule.
-        j: the stage.
+        j: the rank.
         paired: False gives one exchange per message, sends right after their action and
             receives right before theirs: the pattern that deadlocks on NCCL.
+        sender_order: receive, with a message, every message its sender sent before it on the
+            same channel. Needed when one channel carries both activations and gradients (the V
+            schedules: rank 0 sends rank 1 activations of stage 0 and gradients of stage 2p-1) and
+            the sender's order differs from the order they are needed in: without tags the k-th
+            message sent is the k-th received.
     """
-    p, actions = schedule.num_stages, schedule.stages[j]
+    actions = schedule.stages[j]
+    queues = _channel_orders(schedule, j) if sender_order else {}
     plan: list[Exchange] = []
+    early: set[Message] = set()  # received before they were needed
     for k in range(len(actions) + 1):
-        sends, recvs = [], []
-        if k > 0:  # what action k-1 produced: its output forward, or its input gradient back
-            i, kind = actions[k - 1].micro_batch, actions[k - 1].kind
-            if kind == "F" and j < p - 1:
-                sends.append(Message("activation", i))
-            if kind == "B" and j > 0:
-                sends.append(Message("gradient", i))
-        if k < len(actions):  # what action k needs
-            i, kind = actions[k].micro_batch, actions[k].kind
-            if kind == "F" and j > 0:
-                recvs.append(Message("activation", i))
-            if kind == "B" and j < p - 1:
-                recvs.append(Message("gradient", i))
+        sends = _messages(schedule, j, actions[k - 1], out=True) if k > 0 else []
+        recvs = _messages(schedule, j, actions[k], out=False) if k < len(actions) else []
+        if sender_order:
+            wanted, recvs = [m for m in recvs if m not in early], []
+            for m in wanted:
+                queue = queues[m.ranks(schedule, j, sending=False)[0]]
+                while m not in recvs:
+                    recvs.append(queue.pop(0))
+            early.update(recvs)
         if paired:
             plan.append(Exchange(k, sends, recvs))
         else:
@@ -99,7 +134,18 @@ def exchange_plan(schedule: Schedule, j: int, paired: bool = True) -> list[Excha
     return [e for e in plan if e.sends or e.recvs]
 
 
-def find_deadlock(schedule: Schedule, paired: bool = True) -> Optional[str]:
+def _channel_orders(schedule: Schedule, j: int) -> dict[int, list[Message]]:
+    """Per source rank, the messages it sends rank j, in the order it sends them."""
+    orders: dict[int, list[Message]] = {}
+    for src, actions in enumerate(schedule.stages):
+        for action in actions:
+            for m in _messages(schedule, src, action, out=True):
+                if m.ranks(schedule, src, sending=True)[1] == j:
+                    orders.setdefault(src, []).append(m)
+    return orders
+
+
+def find_deadlock(schedule: Schedule, paired: bool = True, sender_order: bool = False) -> Optional[str]:
     """Replay every stage's exchanges as NCCL runs large messages; None if they all complete.
 
     Rules: a stage posts its exchanges one after another; an exchange completes once the
@@ -112,7 +158,7 @@ def find_deadlock(schedule: Schedule, paired: bool = True) -> Optional[str]:
         message received in place of another.
     """
     p = schedule.num_stages
-    plans = [exchange_plan(schedule, j, paired) for j in range(p)]
+    plans = [exchange_plan(schedule, j, paired, sender_order) for j in range(p)]
     # the n-th message on each directed channel (a, b): in which exchange of a (send) and b (recv)
     posted: dict[tuple[str, int, int, int], tuple[int, Message]] = {}
     for j, plan in enumerate(plans):
@@ -120,9 +166,9 @@ def find_deadlock(schedule: Schedule, paired: bool = True) -> Optional[str]:
         for e, exchange in enumerate(plan):
             for op, messages in (("send", exchange.sends), ("recv", exchange.recvs)):
                 for m in messages:
-                    peer = j + m.step if op == "send" else j - m.step
+                    src, dst = m.ranks(schedule, j, sending=op == "send")
+                    peer = dst if op == "send" else src
                     n = counts[(op, peer)] = counts.get((op, peer), -1) + 1
-                    src, dst = (j, peer) if op == "send" else (peer, j)
                     posted[(op, src, dst, n)] = (e, m)
     for (op, src, dst, n), (_, m) in posted.items():
         other = posted.get(("recv" if op == "send" else "send", src, dst, n))
@@ -184,9 +230,12 @@ class StageLink:
     def __init__(self, prev: Optional[int], next: Optional[int], who: str, timeout: float,
                  device: torch.device) -> None:
         self.prev, self.next, self.who, self.timeout, self.device = prev, next, who, timeout, device
+        self.route: Optional[Callable[[Message, bool], int]] = None  # (message, sending) -> peer rank
         self.bytes_sent = 0  # since the last reset
 
     def peer(self, message: Message, sending: bool) -> int:
+        if self.route is not None:  # several stages per rank: the schedule's placement says who
+            return self.route(message, sending)
         rank = self.next if (message.step > 0) == sending else self.prev
         if rank is None:
             raise ValueError(f"{self.who} has no neighbour for {message}")

@@ -42,11 +42,11 @@ from parallel_lib.pipeline_parallel.microbatch import (
     gather,
     loss_weights,
     scatter,
-    split_layers,
     split_like,
 )
-from parallel_lib.pipeline_parallel.run import LossFn, PipelineRun
-from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, action_ready, make_schedule
+from parallel_lib.pipeline_parallel.run import CHECKPOINTS, Checkpoint, LossFn, PipelineRun, layout, sum_tied_gradients
+from parallel_lib.pipeline_parallel.schedule import ALL_SCHEDULES, Action, Schedule, action_ready, make_schedule
+from parallel_lib.pipeline_parallel.simulator import _label
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.worker import Task, Workers
 from parallel_lib.runtime.device import DeviceKey, resolve_device
@@ -96,7 +96,12 @@ class Pipe(nn.Module):
             device map ``{device: [layer indices]}`` for an explicit split.
         chunks: number of micro-batches (default 1); give this or ``split_size``.
         split_size: rows per micro-batch instead of ``chunks``.
-        schedule: "gpipe" or "1f1b" (what :meth:`train_step` runs; forward passes are the same).
+        schedule: what :meth:`train_step` runs (forward passes are the same): "gpipe", "1f1b",
+            "zb-h1", "zb-h2" (backward split into B and W), or "interleaved" and "zbv", which cut
+            the layers into 2 stages per device (interleaved: stage s on device s % p; zbv: a V).
+        checkpoint: activation recomputation, as torchgpipe offers it: "never", "except_last"
+            (every micro-batch but the last keeps only its input and runs its forward again at
+            backward time) or "always".
         num_threads: ``torch.set_num_threads`` in each worker thread.
         timeout: seconds to wait for any task to finish before raising ``TimeoutError``.
         tied_parameters: pairs of parameters that are one weight in the original model
@@ -114,34 +119,39 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, devices: Union[Sequence[DeviceKey], DeviceMap],
                  chunks: Optional[int] = None, *, split_size: Optional[int] = None,
-                 schedule: Literal["gpipe", "1f1b"] = "gpipe", num_threads: int = 1, timeout: float = 60.0,
-                 tied_parameters: Optional[Sequence[TiedPair]] = None) -> None:
+                 schedule: str = "gpipe", num_threads: int = 1, timeout: float = 60.0,
+                 tied_parameters: Optional[Sequence[TiedPair]] = None, checkpoint: Checkpoint = "never") -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
         check_layers(module)
-        keys, self.stage_layers = split_layers(len(module), devices, "layers")
+        make_schedule("gpipe", 1, 1)  # registers every schedule's name
+        check_choice("schedule", schedule, sorted(ALL_SCHEDULES))
+        check_choice("checkpoint", checkpoint, CHECKPOINTS)
+        keys, self.stage_layers, self.placement = layout(len(module), devices, schedule)
         if chunks is None and split_size is None:
             chunks = 1
         check_split(chunks, split_size)
-        check_choice("schedule", schedule, sorted(SCHEDULES))
         positive_int("num_threads", num_threads)
         positive_number("timeout", timeout, hint="seconds")
 
-        self.devices = [resolve_device(key) for key in keys]
+        self.devices = [resolve_device(key) for key in keys]  # one per rank (worker thread)
+        stage_devices = [self.devices[r] for r in self.placement]
         names = list(module._modules)
         # a plain list, not a ModuleList: the layers are registered once, below, under their own names
         self.partitions = [nn.Sequential(OrderedDict((names[k], module[k].to(device)) for k in layers))
-                           for layers, device in zip(self.stage_layers, self.devices)]
-        self.runners = [StageRunner(part, device, first=j == 0)
-                        for j, (part, device) in enumerate(zip(self.partitions, self.devices))]
+                           for layers, device in zip(self.stage_layers, stage_devices)]
+        self.runners = [StageRunner(part, device, first=s == 0)
+                        for s, (part, device) in enumerate(zip(self.partitions, stage_devices))]
         self.chunks, self.split_size, self.schedule = chunks, split_size, schedule
+        self.checkpoint = checkpoint
         self.timeout = float(timeout)
         self.tied_parameters = list(tied_parameters if tied_parameters is not None
                                     else getattr(module, "tied_parameters", ()))
         # no recorder-wide device sync: each task waits for its own stage's device (worker.Task)
         self.timeline = TimelineRecorder()  # events of the last call
-        self.peak_activations: list[int] = []  # per stage, in the last train_step
+        self.peak_activations: list[int] = []  # per rank, in the last train_step (stage-activations)
+        self.peak_activation_bytes: list[int] = []  # per rank: what autograd saved for backward, at its peak
         self._workers = Workers(self.devices, num_threads)
         # stop the threads when the Pipe is garbage-collected or the interpreter exits
         self._finalizer = weakref.finalize(self, self._workers.close)
@@ -171,7 +181,8 @@ class Pipe(nn.Module):
 
     @property
     def num_stages(self) -> int:
-        return len(self.partitions)
+        """p: the number of ranks (worker threads); ``len(self.partitions)`` model stages are v times that."""
+        return len(self.devices)
 
     def close(self) -> None:
         """Stop the worker threads (the next call starts new ones)."""
@@ -190,7 +201,7 @@ class Pipe(nn.Module):
     def forward(self, batch: TensorOrTensors) -> TensorOrTensors:
         """Run the micro-batches of ``batch`` through the stages; outputs concatenated on the last device."""
         inputs = scatter(batch, self.chunks, self.split_size)
-        run = PipelineRun(self.runners, inputs, train=False)
+        run = PipelineRun(self.runners, inputs, train=False, placement=self.placement)
         self._execute(run, self.make_schedule(len(inputs)).forward_only(), torch.is_grad_enabled())
         return gather([run.outputs[i] for i in range(len(inputs))])
 
@@ -231,25 +242,15 @@ class Pipe(nn.Module):
                              "weighted_cross_entropy, denominator=weights.sum()), and pass reduction=\"sum\"")
         inputs = scatter(batch, self.chunks, self.split_size)
         sizes = [(x if isinstance(x, Tensor) else x[0]).size(0) for x in inputs]
+        schedule = self.make_schedule(len(inputs))
         run = PipelineRun(self.runners, inputs, train=True, loss_fn=loss_fn, targets=split_like(target, sizes),
-                   weights=loss_weights(sizes, reduction))
+                          weights=loss_weights(sizes, reduction), placement=self.placement,
+                          split=schedule.split_backward, checkpoint=self.checkpoint)
         before = [(a.grad.clone() if a.grad is not None else None) for a, _ in self.tied_parameters]
-        self._execute(run, self.make_schedule(len(inputs)), True)
-        self.peak_activations = run.peak
-        self._sum_tied_gradients(before)
+        self._execute(run, schedule, True)
+        self.peak_activations, self.peak_activation_bytes = run.peak, run.peak_bytes
+        sum_tied_gradients(self.tied_parameters, before)
         return torch.stack([run.losses[i] for i in range(len(inputs))]).sum()
-
-    def _sum_tied_gradients(self, before: list[Optional[Tensor]]) -> None:
-        """Give both copies of a tied weight the sum of this step's gradients of each."""
-        for (a, b), a_before in zip(self.tied_parameters, before):
-            if a.grad is None or b.grad is None:
-                continue
-            # the pair held equal gradients before this step, so what each gained is its own
-            # contribution this step; each copy adds the other's
-            gained_a = a.grad - a_before if a_before is not None else a.grad.clone()
-            gained_b = b.grad - a_before.to(b.device) if a_before is not None else b.grad.clone()
-            a.grad += gained_b.to(a.device)
-            b.grad += gained_a.to(b.device)
 
     def _execute(self, run: PipelineRun, schedule: Schedule, grad_mode: bool) -> None:
         """Submit every stage's actions in schedule order as their inputs arrive; collect results."""
@@ -267,8 +268,9 @@ class Pipe(nn.Module):
                     while position[j] < len(actions) and action_ready(schedule, j, actions[position[j]], done):
                         action = actions[position[j]]
                         position[j] += 1
-                        self._workers.submit(Task(j, action, run.compute(j, action), grad_mode, self.timeline,
-                                                  self.devices[j]))
+                        self._workers.submit(Task(j, action, run.compute(schedule.stage_of(j, action), action),
+                                                  grad_mode, self.timeline, self.devices[j],
+                                                  _label(schedule, action)))
                         in_flight[j].append(action)
                 if not any(in_flight.values()):
                     break
@@ -283,8 +285,9 @@ class Pipe(nn.Module):
                     failure = (task, payload)
                     self._workers.cancel()  # early stop: queued tasks are answered without running
                 elif ok and failure is None:
-                    run.finish(task.stage, task.action, payload)
-                    done.add((task.action.kind, task.stage, task.action.micro_batch))
+                    s = schedule.stage_of(task.stage, task.action)
+                    run.finish(s, task.action, payload)
+                    done.add((task.action.kind, s, task.action.micro_batch))
         except BaseException as error:  # timeout, interrupt, a bug here: queued tasks are cancelled;
             # after an interrupt, wait (up to timeout; a second interrupt ends the wait) for running
             # tasks, so a re-run right away is clean; one still running is a leftover (see Workers)

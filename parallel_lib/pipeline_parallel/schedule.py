@@ -1,26 +1,33 @@
-"""Pipeline schedules as data: what each stage does, in order, for GPipe and 1F1B.
+"""Pipeline schedules as data: what each rank does, in order.
 
-A schedule is, for every stage, the ordered list of its actions ``F(i)`` (forward
-of micro-batch i) and ``B(i)`` (backward of micro-batch i). Nothing else: no
-clock, no threads, no torch. Keeping it plain data lets one object drive three
-consumers that must agree, so what a reader sees is what runs:
+A schedule is, for every rank, the ordered list of its actions: ``F`` (forward of one
+micro-batch through one model stage), ``B`` (backward: for a split backward only the
+gradient of the stage's *input*, which the previous stage waits for) and ``W`` (the
+gradient of the stage's *weights*, which nobody waits for, so it can fill idle time).
+Each action names its micro-batch and, when a rank holds more than one model stage
+(interleaved and V schedules), the model stage (``stage``). Nothing else: no clock,
+no threads, no torch. Keeping it plain data lets one object drive every consumer,
+so what a reader sees is what runs:
 
-- :class:`parallel_lib.pipeline_parallel.Pipe` executes each stage's list in its worker thread;
-- :func:`simulate` replays it with given stage costs and returns timeline events;
-- the animation in :mod:`parallel_lib.viz.schedule` draws what :func:`simulate` returns.
+- :class:`parallel_lib.pipeline_parallel.Pipe` runs each rank's list in its worker thread;
+- the ranks of :mod:`parallel_lib.pipeline_parallel.process` exchange tensors in its order;
+- :func:`simulate` replays it with given costs; the animation in :mod:`parallel_lib.viz.schedule` draws that.
 
-Letters used throughout: ``i`` micro-batch, ``j`` stage (partition), ``k`` clock
-tick, ``m`` number of micro-batches, ``p`` number of stages.
+GPipe and 1F1B are the special case of one stage per rank (``stage`` None: the rank's own)
+and no W (B is the whole backward). Generators for the others are in
+:mod:`parallel_lib.pipeline_parallel.generators`; the rules every schedule must meet are
+checked by :func:`validate_schedule` (:mod:`parallel_lib.pipeline_parallel.simulator`).
+
+Letters used throughout: ``i`` micro-batch, ``j``/``r`` rank, ``s`` model stage, ``k`` clock
+tick, ``m`` number of micro-batches, ``p`` number of ranks, ``v`` model stages per rank.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Container, Iterator, Literal, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Callable, Container, Iterator, Literal, Optional
 
 from parallel_lib.common.checks import positive_int
-from parallel_lib.common.timeline import Event
 
 __all__ = [
     "clock_cycles",
@@ -28,9 +35,14 @@ __all__ = [
     "Action",
     "Schedule",
     "SCHEDULES",
+    "ALL_SCHEDULES",
     "gpipe",
     "one_f_one_b",
     "make_schedule",
+    "register_schedule",
+    "stages_per_rank",
+    "loop_placement",
+    "v_placement",
     "validate_schedule",
     "simulate",
     "bubble_fraction",
@@ -38,53 +50,94 @@ __all__ = [
     "action_ready",
 ]
 
-Kind = Literal["F", "B"]
-StageCost = tuple[float, float]  # (forward seconds or ticks, backward seconds or ticks)
+Kind = Literal["F", "B", "W"]
+StageCost = tuple[float, float]  # (forward, backward) seconds or ticks; (F, B, W) triples in simulate
+KIND_EVENTS = {"F": "forward", "B": "backward", "W": "backward"}  # W is drawn as backward, labelled "W"
 
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of stage work: ``F`` (forward) or ``B`` (backward) of micro-batch ``micro_batch``."""
+    """One unit of work: ``F``/``B``/``W`` of micro-batch ``micro_batch`` on model stage ``stage``.
+
+    ``stage`` None means the stage of the rank whose list holds the action (one stage per rank).
+    """
 
     kind: Kind
     micro_batch: int
+    stage: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"kind must be 'F' or 'B', got kind={self.kind!r}")
+        if self.kind not in ("F", "B", "W"):
+            raise ValueError(f"kind must be 'F', 'B' or 'W', got kind={self.kind!r}")
 
     @property
     def event_kind(self) -> str:
-        """The :class:`parallel_lib.common.timeline.Event` kind of this action."""
-        return "forward" if self.kind == "F" else "backward"
+        """The :class:`parallel_lib.common.timeline.Event` kind of this action (W counts as backward)."""
+        return KIND_EVENTS[self.kind]
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}" + ("" if self.stage is None else f"s{self.stage}")
+
+
+def loop_placement(p: int, v: int) -> tuple[int, ...]:
+    """Rank of each of the p·v model stages when stage s lives on rank ``s % p`` (Megatron's interleaving)."""
+    return tuple(s % p for s in range(p * v))
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    """Rank of each of the 2p model stages in a V: down the ranks, then back up (ZBV, DualPipeV)."""
+    return tuple(range(p)) + tuple(reversed(range(p)))
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage ordered actions of one pipeline schedule.
+    """Per-rank ordered actions of one pipeline schedule.
 
     Attributes:
-        name: "gpipe" or "1f1b" (or a free-form name for a hand-written schedule).
-        num_stages: p.
+        name: e.g. "gpipe", "1f1b", "interleaved", "zb-h1" (or free-form for a hand-written one).
+        num_stages: p, the number of ranks (lists); one model stage each unless ``placement`` says otherwise.
         num_micro_batches: m.
-        stages: ``stages[j]`` is stage j's actions in the order it runs them.
+        stages: ``stages[r]`` is rank r's actions in the order it runs them.
+        placement: ``placement[s]`` is the rank that holds model stage s; default one stage per rank.
     """
 
     name: str
     num_stages: int
     num_micro_batches: int
     stages: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            object.__setattr__(self, "placement", tuple(range(self.num_stages)))
+
+    @property
+    def num_model_stages(self) -> int:
+        """How many pieces the model is cut into (p·v)."""
+        return len(self.placement)
+
+    @property
+    def virtual(self) -> int:
+        """v: model stages per rank."""
+        return max(1, self.num_model_stages // max(1, self.num_stages))
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into B (input gradient) and W (weight gradient)."""
+        return any(a.kind == "W" for actions in self.stages for a in actions)
+
+    def stage_of(self, rank: int, action: Action) -> int:
+        """The model stage ``action`` in rank ``rank``'s list works on."""
+        return rank if action.stage is None else action.stage
 
     def forward_only(self) -> Schedule:
         """The same schedule without its backward actions (inference)."""
         return Schedule(f"{self.name} (forward)", self.num_stages, self.num_micro_batches,
-                        tuple(tuple(a for a in actions if a.kind == "F") for actions in self.stages))
+                        tuple(tuple(a for a in actions if a.kind == "F") for actions in self.stages), self.placement)
 
     def __str__(self) -> str:
-        rows = [f"stage {j}: " + " ".join(str(a) for a in actions) for j, actions in enumerate(self.stages)]
+        who = "stage" if self.num_model_stages == self.num_stages else "rank"  # chapter 04 prints stages
+        rows = [f"{who} {j}: " + " ".join(str(a) for a in actions) for j, actions in enumerate(self.stages)]
         return "\n".join([f"{self.name}, p={self.num_stages}, m={self.num_micro_batches}", *rows])
 
 
@@ -147,139 +200,65 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return Schedule("1f1b", p, m, tuple(stages))
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+# the schedules every engine runs with one stage per rank (chapters 04 and 05)
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+# every named schedule: name -> (generator(p, m), model stages per rank); generators.py adds chapter 08's
+ALL_SCHEDULES: dict[str, tuple[Callable[[int, int], Schedule], int]] = {"gpipe": (gpipe, 1),
+                                                                       "1f1b": (one_f_one_b, 1)}
+
+
+def register_schedule(name: str, generator: Callable[[int, int], Schedule], virtual: int = 1) -> None:
+    """Make ``make_schedule(name, p, m)`` call ``generator(p, m)`` (v model stages per rank)."""
+    ALL_SCHEDULES[name] = (generator, virtual)
+
+
+def stages_per_rank(name: str) -> int:
+    """v of the named schedule (2 for interleaved and V schedules, else 1)."""
+    _known(name)
+    return ALL_SCHEDULES[name][1]
+
+
+def _known(name: str) -> None:
+    import parallel_lib.pipeline_parallel.generators  # noqa: F401  (registers chapter 08's schedules)
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(ALL_SCHEDULES)}, got schedule={name!r}")
 
 
 def make_schedule(name: str, p: int, m: int) -> Schedule:
-    """The schedule called ``name`` ("gpipe" or "1f1b") for p stages and m micro-batches.
+    """The schedule called ``name`` (see :data:`ALL_SCHEDULES`) for p ranks and m micro-batches.
 
     Raises:
-        ValueError: an unknown name, or p, m below 1.
+        ValueError: an unknown name, p, m below 1, or an m the schedule cannot run with.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got schedule={name!r}")
-    return SCHEDULES[name](p, m)
+    _known(name)
+    return ALL_SCHEDULES[name][0](p, m)
 
 
 def stage_lane(j: int) -> str:
-    """Timeline lane of stage j, shared by measured and simulated runs."""
+    """Timeline lane of rank (stage) j, shared by measured and simulated runs."""
     return f"stage {j}"
 
 
-def action_ready(schedule: Schedule, j: int, action: Action, done: Container[tuple[str, int, int]]) -> bool:
-    """Whether stage j may start ``action`` once ``done`` holds the finished (kind, stage, i)."""
-    i = action.micro_batch
+Done = Container[tuple[str, int, int]]  # finished (kind, model stage, micro-batch)
+
+
+def action_ready(schedule: Schedule, j: int, action: Action, done: Done) -> bool:
+    """Whether rank j may start ``action`` once ``done`` holds the finished (kind, model stage, i).
+
+    F(i, s) needs F(i, s-1); B(i, s) needs F(i, s) and B(i, s+1); W(i, s) needs B(i, s).
+    """
+    i, s = action.micro_batch, schedule.stage_of(j, action)
     if action.kind == "F":
-        return j == 0 or ("F", j - 1, i) in done
-    has_next = j + 1 < schedule.num_stages
-    return ("F", j, i) in done and (not has_next or ("B", j + 1, i) in done)
-
-
-def _run_order(schedule: Schedule, costs: Sequence[StageCost]) -> list[tuple[int, Action, float, float]]:
-    """List-schedule the actions: each starts when its stage is free and its inputs exist.
-
-    Returns ``(stage, action, start, end)`` in completion order. Raises ValueError on
-    a deadlock: a stage waits on an action that can never run before it.
-    """
-    p = schedule.num_stages
-    position = [0] * p
-    stage_free = [0.0] * p
-    finished: dict[tuple[str, int, int], float] = {}
-    order: list[tuple[int, Action, float, float]] = []
-    total = sum(len(actions) for actions in schedule.stages)
-    while len(order) < total:
-        candidates = []
-        for j in range(p):
-            if position[j] == len(schedule.stages[j]):
-                continue
-            action = schedule.stages[j][position[j]]
-            if action_ready(schedule, j, action, finished):
-                i = action.micro_batch
-                inputs = [finished.get((action.kind, j - 1 if action.kind == "F" else j + 1, i), 0.0),
-                          finished.get(("F", j, i), 0.0)]
-                candidates.append((max(stage_free[j], *inputs), j, action))
-        if not candidates:
-            blocked = {f"stage {j}": str(schedule.stages[j][position[j]])
-                       for j in range(p) if position[j] < len(schedule.stages[j])}
-            raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits for an action "
-                             f"that cannot run first; next actions: {blocked}")
-        start, j, action = min(candidates, key=lambda c: (c[0], c[1]))
-        end = start + costs[j][0 if action.kind == "F" else 1]
-        finished[(action.kind, j, action.micro_batch)] = end
-        stage_free[j] = end
-        position[j] += 1
-        order.append((j, action, start, end))
-    return order
-
-
-def validate_schedule(schedule: Schedule, require_backward: bool = True) -> None:
-    """Check that a schedule can run and computes every gradient exactly once.
-
-    Rules: each stage runs ``F(i)`` (and ``B(i)`` when ``require_backward``) exactly
-    once for every micro-batch; a stage's ``B(i)`` comes after its own ``F(i)``;
-    ``F(i)`` on stage j needs stage j-1's ``F(i)`` and ``B(i)`` needs stage j+1's
-    ``B(i)``, and the per-stage orders must allow all of that without a deadlock.
-
-    Raises:
-        ValueError: no stage or no micro-batch, or naming the stage and the action that breaks a rule.
-    """
-    positive_int("num_stages", schedule.num_stages)  # a schedule of nothing would pass every rule below
-    positive_int("num_micro_batches", schedule.num_micro_batches)
-    if len(schedule.stages) != schedule.num_stages:
-        raise ValueError(f"schedule has {len(schedule.stages)} stage lists for "
-                         f"num_stages={schedule.num_stages}")
-    kinds = ("F", "B") if require_backward else ("F",)
-    expected = sorted((kind, i) for kind in kinds for i in range(schedule.num_micro_batches))
-    for j, actions in enumerate(schedule.stages):
-        if sorted((a.kind, a.micro_batch) for a in actions) != expected:
-            wanted = " ".join(f"{kind}{i}" for kind, i in expected)
-            raise ValueError(f"stage {j} must run each of {wanted} once, got {' '.join(map(str, actions))}")
-        seen: set[int] = set()
-        for action in actions:
-            if action.kind == "B" and action.micro_batch not in seen:
-                raise ValueError(f"stage {j} runs {action} before F{action.micro_batch}")
-            if action.kind == "F":
-                seen.add(action.micro_batch)
-    _run_order(schedule, [(1.0, 1.0)] * schedule.num_stages)
-
-
-def _normalise_costs(stage_costs: Union[StageCost, Sequence[StageCost]], p: int) -> list[StageCost]:
-    if (isinstance(stage_costs, (tuple, list)) and len(stage_costs) == 2
-            and all(isinstance(c, (int, float)) for c in stage_costs)):
-        costs = [tuple(stage_costs)] * p  # one (forward, backward) pair for every stage
-    else:
-        costs = [tuple(c) for c in stage_costs]  # type: ignore[union-attr]
-    if len(costs) != p or any(len(c) != 2 or not all(math.isfinite(x) and x >= 0 for x in c) for c in costs):
-        raise ValueError(f"stage_costs must be one (forward, backward) pair of finite, non-negative costs or "
-                         f"{p} of them (one per stage), got stage_costs={stage_costs!r}")
-    return costs  # type: ignore[return-value]
-
-
-def simulate(schedule: Schedule, stage_costs: Union[StageCost, Sequence[StageCost]] = (1.0, 1.0)) -> list[Event]:
-    """Replay a schedule with fixed costs and return its timeline.
-
-    Every stage runs its actions in order, each as soon as the stage is free and
-    its input (previous stage's forward, next stage's backward) has finished;
-    communication is free. With unit costs the times are clock ticks.
-
-    Args:
-        schedule: the schedule to replay (it is validated first).
-        stage_costs: ``(forward, backward)`` cost for every stage, or one such pair per stage.
-
-    Returns:
-        One :class:`Event` per action on lanes ``"stage j"``, in completion order.
-
-    Raises:
-        ValueError: an invalid schedule, badly shaped ``stage_costs`` or a cost that is
-            negative, NaN or infinite.
-    """
-    costs = _normalise_costs(stage_costs, schedule.num_stages)
-    validate_schedule(schedule, require_backward=any(a.kind == "B" for a in schedule.stages[0]))
-    return [Event(stage_lane(j), action.event_kind, action.micro_batch, start, end)
-            for j, action, start, end in _run_order(schedule, costs)]
+        return s == 0 or ("F", s - 1, i) in done
+    if action.kind == "W":
+        return ("B", s, i) in done
+    return ("F", s, i) in done and (s + 1 == schedule.num_model_stages or ("B", s + 1, i) in done)
 
 
 def bubble_fraction(p: int, m: int) -> float:
     """Idle share of a GPipe or 1F1B pipeline with equal stage costs: ``(p - 1) / (m + p - 1)``."""
     _check_sizes(p, m)
     return (p - 1) / (m + p - 1)
+
+
+from parallel_lib.pipeline_parallel.simulator import simulate, validate_schedule  # noqa: E402  (they use the above)

@@ -37,15 +37,15 @@ well under a millisecond) that is a small share of a stage's time.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TensorOrTensors", "Saved", "StageRunner", "as_tuple", "like", "cut"]
+__all__ = ["TensorOrTensors", "Saved", "StageRunner", "as_tuple", "like", "cut", "saved_bytes"]
 
 TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
-Saved = tuple[TensorOrTensors, tuple[Tensor, ...]]  # (input leaves, outputs or loss), kept for backward
+Saved = tuple[Any, ...]  # (input leaves, outputs or loss, each layer's outputs) or ("recompute", input, loss)
 
 
 def as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
@@ -89,6 +89,37 @@ def cut(x: TensorOrTensors, device: torch.device) -> tuple[tuple[Tensor, ...], T
     return leaves, like(x, inputs)
 
 
+class saved_bytes:
+    """Count the bytes autograd saves for backward inside the block (the activations), parameters aside.
+
+    Example::
+
+        with saved_bytes(module.parameters()) as counter:
+            loss = module(x).sum()
+        counter.bytes  # what this forward keeps alive until its backward
+    """
+
+    def __init__(self, parameters: Any) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def _pack(self, t: Tensor) -> Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._params and t.data_ptr() not in self._seen:  # a tensor saved twice is stored once
+            self._seen.add(t.data_ptr())
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self) -> saved_bytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
 class StageRunner:
     """Forward and backward of one stage on its device, for one micro-batch at a time.
 
@@ -112,23 +143,51 @@ class StageRunner:
         """The stage on ``x`` without cutting: with grad on, the output stays attached to ``x``'s graph."""
         return self.module(_moved(x, self.device))
 
-    def forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]] = None
-                ) -> tuple[Saved, TensorOrTensors]:
+    def forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]] = None,
+                recompute: bool = False) -> tuple[Saved, TensorOrTensors]:
         """Run the stage for training: ``(saved for backward, detached output or loss)``.
 
         Args:
             x: the stage's input (the previous stage's detached output, or the batch).
             loss: on the last stage, maps the output to the micro-batch's (weighted) loss.
+            recompute: keep only the input and run the forward again at backward time
+                (activation checkpointing): memory of one input instead of every layer's.
+
+        After the call ``self.last_saved_bytes`` holds the bytes autograd saved for backward.
         """
+        if recompute:
+            with torch.no_grad():
+                y = self.module(_moved(x, self.device))
+                y = loss(y) if loss is not None else y
+            self.last_saved_bytes = sum(t.numel() * t.element_size() for t in as_tuple(x))
+            return ("recompute", x, loss), like(y, tuple(t.detach() for t in as_tuple(y)))  # type: ignore
         if self.first:
             leaves, inputs = (), _moved(x, self.device)
         else:
             leaves, inputs = cut(x, self.device)
-        y = self.module(inputs)
-        if loss is not None:
-            y = loss(y)
+        with saved_bytes(self.module.parameters()) as counter:
+            bounds: list[tuple[Tensor, ...]] = []  # each layer's output: where W is cut per layer
+            y = inputs  # layer by layer is what nn.Sequential's forward does
+            for layer in self._layers():
+                y = layer(y)
+                bounds.append(as_tuple(y))
+            if loss is not None:
+                y = loss(y)
+                bounds[-1] = as_tuple(y)
+        self.last_saved_bytes = counter.bytes
         outputs = as_tuple(y)
-        return (like(x, leaves) if leaves else (), outputs), like(y, tuple(t.detach() for t in outputs))
+        return (like(x, leaves) if leaves else (), outputs, bounds), like(y, tuple(t.detach() for t in outputs))  # type: ignore
+
+    def _layers(self) -> list[nn.Module]:
+        """The layers W is cut between: an ``nn.Sequential``'s, else the module as one layer."""
+        return list(self.module) if isinstance(self.module, nn.Sequential) else [self.module]
+
+    def _redo(self, saved: Any) -> Any:
+        """The saved state of a recomputed micro-batch: its forward run again, with grad."""
+        if not isinstance(saved[0], str):  # ("recompute", input, loss) from a checkpointed forward
+            return saved
+        with torch.enable_grad():
+            return self.forward(saved[1], saved[2])[0]
 
     def backward(self, saved: Saved, grad: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
         """Backward of the stage [3]: the gradient of its input (None on the first stage).
@@ -138,12 +197,52 @@ class StageRunner:
             grad: the gradient of the output (None for a loss); outputs whose gradient is None,
                 or that do not require grad, are left out, as autograd does for unused outputs.
         """
-        leaves, outputs = saved
-        grads = grad if isinstance(grad, tuple) else (grad,) * len(outputs)  # None for inputs without grad
-        pairs = [(y, None if g is None else g.to(y.device)) for y, g in zip(outputs, grads)
-                 if y.requires_grad and (g is not None or grad is None)]
+        leaves, outputs = self._redo(saved)[:2]
+        pairs = _pairs(outputs, grad)
         if pairs:  # a parameter-free first stage has nothing to differentiate
             torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
         if self.first:
             return None
         return like(leaves, tuple(leaf.grad for leaf in as_tuple(leaves)))
+
+    def backward_input(self, saved: Saved, grad: Optional[TensorOrTensors]) -> tuple[Any, Any]:
+        """B of a split backward: ``(gradient of the stage's input, what W needs)``.
+
+        One ``torch.autograd.grad`` from the outputs to the stage's input and to every layer's
+        output, keeping the graph: the input gradient is what the previous stage waits for, and
+        each layer's output gradient lets W reach that layer's weights without going through
+        the layers after it again.
+        """
+        leaves, outputs, bounds = self._redo(saved)
+        pairs = _pairs(outputs, grad)
+        inner = [t for layer_out in bounds[:-1] for t in layer_out if t.requires_grad]
+        wanted = inner if self.first else [t for t in as_tuple(leaves) if t.requires_grad] + inner
+        got = (torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True,
+                                   allow_unused=True) if pairs and wanted else [None] * len(wanted))
+        grads = dict(zip(map(id, wanted), got))
+        tail = [(y, g) for y, g in pairs]  # the last layer's outputs take the stage's output gradient
+        per_layer = [[(t, grads[id(t)]) for t in layer_out if t.requires_grad and grads.get(id(t)) is not None]
+                     for layer_out in bounds[:-1]]
+        todo = (per_layer + [tail], [t for t in wanted], got)  # keep tensors alive until W
+        if self.first:
+            return None, todo
+        return like(leaves, tuple(grads.get(id(t)) for t in as_tuple(leaves))), todo
+
+    def backward_weight(self, todo: Any) -> None:
+        """W of a split backward: each layer's weight gradients from its output gradient, added to ``.grad``."""
+        per_layer = todo[0]
+        for layer, pairs in zip(self._layers(), per_layer):
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if not params or not pairs:
+                continue
+            grads = torch.autograd.grad([y for y, _ in pairs], params, [g for _, g in pairs], retain_graph=True,
+                                        allow_unused=True)
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+def _pairs(outputs: tuple[Tensor, ...], grad: Optional[TensorOrTensors]) -> list[tuple[Tensor, Optional[Tensor]]]:
+    grads = grad if isinstance(grad, tuple) else (grad,) * len(outputs)  # None for inputs without grad
+    return [(y, None if g is None else g.to(y.device)) for y, g in zip(outputs, grads)
+            if y.requires_grad and (g is not None or grad is None)]

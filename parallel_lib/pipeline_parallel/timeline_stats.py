@@ -7,7 +7,7 @@ Both take the events of :func:`~parallel_lib.pipeline_parallel.schedule.simulate
 from __future__ import annotations
 
 import statistics
-from typing import Iterable
+from typing import Iterable, Optional
 
 from parallel_lib.common.timeline import Event
 from parallel_lib.pipeline_parallel.schedule import StageCost, stage_lane
@@ -19,16 +19,25 @@ def in_flight(events: Iterable[Event], time: float) -> list[int]:
     """Micro-batches whose activations each stage holds at ``time``: forward begun, backward not done.
 
     This is the activation memory of a schedule in units of one micro-batch's
-    activations per stage: GPipe climbs to m, 1F1B stays at most p.
+    activations per stage: GPipe climbs to m, 1F1B stays at most p. With a split backward
+    the weight-gradient event (label "W") releases them; a rank holding several model stages
+    (label "s<stage>") counts each stage's micro-batch once.
     """
     events = list(events)
     p = 1 + max((int(e.lane.split()[-1]) for e in events), default=-1)
     held = [0] * p
-    done = {(e.lane, e.micro_batch) for e in events if e.kind == "backward" and e.end <= time}
+    split = {_key(e) for e in events if e.label.startswith("W")}
+    done = {_key(e) for e in events if e.kind == "backward" and e.end <= time
+            and (e.label.startswith("W") or _key(e) not in split)}
     for e in events:
-        if e.kind == "forward" and e.start < time and (e.lane, e.micro_batch) not in done:
+        if e.kind == "forward" and e.start < time and _key(e) not in done:
             held[int(e.lane.split()[-1])] += 1
     return held
+
+
+def _key(e: Event) -> tuple[str, Optional[int], str]:
+    """(lane, micro-batch, model stage label) of an event: what one activation belongs to."""
+    return e.lane, e.micro_batch, e.label.split()[-1] if e.label.split() and e.label.split()[-1][:1] == "s" else ""
 
 
 def stage_costs_from_events(events: Iterable[Event], p: int) -> list[StageCost]:
@@ -42,7 +51,8 @@ def stage_costs_from_events(events: Iterable[Event], p: int) -> list[StageCost]:
     for j in range(p):
         pair = []
         for kind in ("forward", "backward"):
-            durations = [e.duration for e in events if e.lane == stage_lane(j) and e.kind == kind]
+            durations = [e.duration for e in events if e.lane == stage_lane(j) and e.kind == kind
+                         and not e.label.startswith("W")]
             if not durations:
                 raise ValueError(f"no {kind} events on lane {stage_lane(j)!r}; pass a training step's timeline")
             pair.append(statistics.median(durations))

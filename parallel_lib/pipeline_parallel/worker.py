@@ -45,8 +45,8 @@ class Task:
     """How to run one action of one stage; ``compute`` runs on the stage's worker thread.
 
     Attributes:
-        stage: index j of the stage.
-        action: ``F(i)`` or ``B(i)``.
+        stage: index j of the stage (the rank: its worker thread runs the task).
+        action: ``F(i)``, ``B(i)`` or ``W(i)``, possibly of another model stage the rank holds.
         compute: the work; its return value travels back on the out-queue.
         grad_mode: autograd's grad mode for ``compute`` (grad mode is per thread, so
             the caller's ``torch.no_grad()`` must be handed over explicitly).
@@ -62,6 +62,7 @@ class Task:
     grad_mode: bool
     recorder: Optional[TimelineRecorder] = None
     device: Optional[torch.device] = None
+    label: str = ""  # the event's label: "W" for a weight gradient, "s<stage>" on a rank of several stages
 
     def run(self) -> Any:
         with torch.set_grad_enabled(self.grad_mode):
@@ -75,7 +76,7 @@ class Task:
             finally:
                 synchronize_devices(own)  # until this task's kernels have run
                 self.recorder.add(stage_lane(self.stage), self.action.event_kind, self.action.micro_batch,
-                                  start, self.recorder.now())
+                                  start, self.recorder.now(), self.label)
 
 
 def _serve_one(in_queue: Queue, out_queue: Queue, cancelled: threading.Event) -> bool:

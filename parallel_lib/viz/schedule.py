@@ -28,9 +28,25 @@ from parallel_lib.pipeline_parallel.schedule import (
 from parallel_lib.pipeline_parallel.timeline_stats import in_flight
 from parallel_lib.viz.timeline import KIND_COLORS
 
-__all__ = ["bubble_until", "render_schedule", "render_schedules", "schedule_widget"]
+__all__ = ["bubble_until", "render_schedule", "render_schedules", "schedule_widget", "event_colour", "WIDGET_SCHEDULES"]
 
 Costs = Union[StageCost, Sequence[StageCost]]
+W_COLOUR = "#8172B3"  # the weight gradient of a split backward
+# a rank's second model stage (interleaved, V): the same colours, lighter
+SECOND_STAGE = {"forward": "#9DB4DA", "backward": "#EDB896", "W": "#B8AED6"}
+WIDGET_SCHEDULES = [("GPipe", "gpipe"), ("1F1B", "1f1b"), ("interleaved", "interleaved"), ("ZB-H1", "zb-h1"),
+                    ("ZB-H2", "zb-h2"), ("ZBV", "zbv")]
+_CH04 = ("gpipe", "1f1b")  # the schedules chapter 04's formula (p−1)/(m+p−1) is about
+
+
+def event_colour(e: Event, p: int) -> str:
+    """F blue, B orange, W purple; lighter on a rank's second model stage (label "s<stage>", stage >= p)."""
+    words = e.label.split()
+    second = bool(words) and words[-1][:1] == "s" and int(words[-1][1:]) >= p
+    key = "W" if words[:1] == ["W"] else e.kind
+    if second:
+        return SECOND_STAGE[key]
+    return W_COLOUR if key == "W" else KIND_COLORS[e.kind]
 
 
 def bubble_until(events: Sequence[Event], tick: float, p: int) -> float:
@@ -67,7 +83,7 @@ def render_schedule(schedule: Schedule, tick: Optional[float] = None, stage_cost
         _, ax = plt.subplots(figsize=(max(6.0, 0.45 * total + 2.0), 0.55 * p + 1.5))
     for e in events:
         row = int(e.lane.split()[-1])
-        colour = KIND_COLORS[e.kind]
+        colour = event_colour(e, p)
         ax.add_patch(Rectangle((e.start, row), e.duration, 0.9, facecolor="none", edgecolor=colour, alpha=0.3))
         if e.start < now:
             width = min(e.end, now) - e.start
@@ -83,13 +99,20 @@ def render_schedule(schedule: Schedule, tick: Optional[float] = None, stage_cost
     ax.set_xlabel("clock tick")
     m = schedule.num_micro_batches
     end = bubble_until(events, total, p)
-    if tick is None:
+    if tick is None and schedule.name in _CH04:
         stats = f"bubble {end:.0%} (formula (p−1)/(m+p−1) = {bubble_fraction(p, m):.0%})"
+    elif tick is None:
+        stats = f"idle share {end:.0%} of the step"
     else:
         stats = f"tick {now:g}/{total:g} · bubble so far {bubble_until(events, now, p):.0%}, at the end {end:.0%}"
     ax.set_title(f"{title or f'{schedule.name}: p={p} stages, m={m} micro-batches'}\n{stats}", fontsize=9)
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in ("forward", "backward")],
-              loc="lower right", fontsize=7)
+    handles = [Patch(color=KIND_COLORS[k], label=k) for k in ("forward", "backward")]
+    if schedule.split_backward:
+        handles[1] = Patch(color=KIND_COLORS["backward"], label="B (input gradient)")
+        handles.append(Patch(color=W_COLOUR, label="W (weight gradient)"))
+    if schedule.virtual > 1:
+        handles.append(Patch(color=SECOND_STAGE["forward"], label="second stage of a rank"))
+    ax.legend(handles=handles, loc="lower right", fontsize=7)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.figure.tight_layout()
@@ -112,7 +135,7 @@ def schedule_widget(schedule: str = "gpipe", stages: int = 4, micro_batches: int
     from IPython.display import display
 
     style = {"description_width": "initial"}
-    pick = w.ToggleButtons(options=[("GPipe", "gpipe"), ("1F1B", "1f1b")], value=schedule, description="schedule")
+    pick = w.ToggleButtons(options=WIDGET_SCHEDULES, value=schedule, description="schedule")
     p = w.IntSlider(value=stages, min=1, max=8, description="stages", style=style)
     m = w.IntSlider(value=micro_batches, min=1, max=16, description="micro-batches", style=style)
     cost = w.Dropdown(options=[("backward = forward", 1.0), ("backward = 2 × forward", 2.0)],
@@ -124,7 +147,11 @@ def schedule_widget(schedule: str = "gpipe", stages: int = 4, micro_batches: int
     output = w.Output()
 
     def redraw(_: Any = None) -> None:
-        chosen = make_schedule(pick.value, p.value, m.value)
+        try:
+            chosen = make_schedule(pick.value, p.value, m.value)
+        except ValueError as error:  # interleaved needs m a multiple of p: say so instead of drawing
+            status.value = f"<b>{pick.label}</b>: {error}"
+            return
         total = int(makespan(simulate(chosen, _costs(cost.value))))
         play.max = tick.max = total
         events = simulate(chosen, _costs(cost.value))
@@ -145,12 +172,12 @@ def schedule_widget(schedule: str = "gpipe", stages: int = 4, micro_batches: int
 
 
 def render_schedules(schedules: Sequence[Schedule], stage_costs: Costs = (1.0, 2.0),
-                     fractions: Sequence[float] = ()) -> Figure:
+                     fractions: Sequence[float] = (), title: str = "backward = 2 × forward") -> Figure:
     """Each schedule finished (one row each), or frame by frame at ``fractions`` of GPipe's step time."""
     if not fractions:
         fig, axes = plt.subplots(len(schedules), 1, figsize=(12, 3 * len(schedules)), squeeze=False)
         for schedule, ax in zip(schedules, axes[:, 0]):
-            render_schedule(schedule, None, stage_costs, ax=ax, title=f"{schedule.name} (backward = 2 × forward)")
+            render_schedule(schedule, None, stage_costs, ax=ax, title=f"{schedule.name} ({title})")
         fig.tight_layout()
         return fig
     total = makespan(simulate(schedules[0], stage_costs))
