@@ -42,6 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
     check = args.pop("check")
     config = replace(TPConfig(), **args)
+    if world_size is not None and world_size % config.tp:  # before any rank starts (and imports torch)
+        parser.error(f"tp={config.tp} must divide world_size={world_size}: choose --world-size a multiple of --tp")
     results = run(tp_worker, world_size, config, **launch_kwargs)
     if (RankInfo.from_env().rank if is_torchrun() else 0) != 0:
         return 0
