@@ -57,3 +57,28 @@ def test_busy_machine_warning_only_when_even_the_ceiling_does_not_scale():
     warning = busy_machine_warning(1.2, 2)
     assert "1.20x" in warning and "2 workers" in warning
     assert busy_machine_warning(2.9, 4) != ""
+
+
+def test_config_flags_follow_the_dataclass():
+    import argparse
+    from dataclasses import dataclass
+    from typing import Optional
+
+    from parallel_lib.common.cli import add_config_flags
+
+    @dataclass
+    class Config:
+        steps: int = 3
+        sync: str = "ring"
+        overlap: bool = True
+        limit: Optional[int] = None
+        internal: int = 0
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, Config, skip=("internal",), choices=dict(sync=("ring", "naive")), types=dict(limit=int))
+    assert vars(parser.parse_args([])) == dict(steps=3, sync="ring", overlap=True, limit=None)
+    assert vars(parser.parse_args(["--steps", "5", "--no-overlap", "--limit", "7"]))["limit"] == 7
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sync", "tree"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--internal", "1"])

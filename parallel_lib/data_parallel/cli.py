@@ -12,12 +12,13 @@ flag, the summary is printed once (by rank 0), and ``--save PATH`` keeps the run
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
+from parallel_lib.common.cli import add_config_flags
 from parallel_lib.data import check_global_batch
 from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, DPResult, run_dp, summarize
 from parallel_lib.runtime.environment import machine_label
@@ -75,16 +76,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--save", type=Path, metavar="PATH", help="torch.save the run there: config, summary, "
                         "checksums, losses and rank 0's final parameters (under torchrun: each node's first rank)")
     defaults = DPConfig()
-    for f in fields(DPConfig):
-        if f.name in ("timeline_steps", "return_state"):
-            continue
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        else:
-            kind = {"model": str, "max_steps": int, "train_examples": int}.get(f.name, type(value))
-            parser.add_argument(flag, type=kind, default=value, choices=SYNC_METHODS if f.name == "sync" else None)
+    add_config_flags(parser, DPConfig, skip=("timeline_steps", "return_state"), choices=dict(sync=SYNC_METHODS),
+                     types=dict(model=str, max_steps=int, train_examples=int))
     args = vars(parser.parse_args(argv))
     if args["warmup"] < 0:
         parser.error(f"--warmup must be >= 0, got {args['warmup']}")

@@ -11,9 +11,10 @@ the bytes sent per step beside the traffic formula::
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Optional, Sequence
 
+from parallel_lib.common.cli import add_config_flags
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
@@ -51,21 +52,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--world-size", type=int, default=None, help="ranks to launch (default 2; "
                         "under torchrun its --nproc-per-node x --nnodes)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
-    defaults = ShardConfig()
-    for f in fields(ShardConfig):
-        if f.name in _HIDDEN:
-            continue
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        else:
-            parser.add_argument(flag, type=type(value), default=value, choices=_CHOICES.get(f.name))
+    add_config_flags(parser, ShardConfig, skip=_HIDDEN, choices=_CHOICES)
     args = vars(parser.parse_args(argv))
     world_size = args.pop("world_size") or (None if is_torchrun() else 2)
     timeout = args.pop("timeout")
     args["steps"] = max(args["steps"], 2)  # step 1 is the measured one (after AdamW made its state)
-    config = replace(defaults, **args, return_state=False)
+    config = replace(ShardConfig(), **args, return_state=False)
     results = run(run_sharded, world_size, config, timeout=timeout)
     if (RankInfo.from_env().rank if is_torchrun() else 0) == 0:  # under torchrun every rank has the results
         print(f"sharded data parallelism on {machine_label()}")

@@ -11,9 +11,10 @@ difference between the gathered parameters and one process trained on the same b
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from typing import Optional
 
+from parallel_lib.common.cli import add_config_flags
 from parallel_lib.common.models import gpt2_config
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
@@ -31,18 +32,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument("--check", action="store_true", help="also train one process and compare the parameters")
-    for f in fields(TPConfig):
-        value, flag = getattr(TPConfig(), f.name), "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        else:
-            parser.add_argument(flag, type=type(value), default=value)
+    add_config_flags(parser, TPConfig)
     args = vars(parser.parse_args(argv))
     world_size = args.pop("world_size") or (None if is_torchrun() else 2)
     launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
     check = args.pop("check")
     config = replace(TPConfig(), **args)
-    if world_size is not None and world_size % config.tp:  # before any rank starts (and imports torch)
+    if world_size is not None and config.tp and world_size % config.tp:  # before any rank starts; tp=0: all ranks
         parser.error(f"tp={config.tp} must divide world_size={world_size}: choose --world-size a multiple of --tp")
     results = run(tp_worker, world_size, config, **launch_kwargs)
     if (RankInfo.from_env().rank if is_torchrun() else 0) != 0:
