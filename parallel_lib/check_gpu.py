@@ -18,7 +18,7 @@ runs to see that happen, chapter by chapter, each printing its table:
   matches the formula, then ``bench sharding``'s table.
 
 The checks are a registry, :data:`CHECKS` (name -> chapter and check function, the
-functions in :mod:`parallel_lib.gpu_checks`): a later chapter adds its check with one
+functions in :mod:`parallel_lib.gpu_checks` and :mod:`parallel_lib.gpu_checks_part2`): a later chapter adds its check with one
 :func:`register_check` line. Every timer waits on the devices it timed, and only
 those (:class:`~parallel_lib.common.timeline.DeviceClock`).
 
@@ -51,13 +51,11 @@ from parallel_lib.gpu_checks import (
     check_dp,
     check_model_parallel,
     check_pipeline,
-    check_schedules,
-    check_sharding,
-    check_tensor_parallel,
     device_counts,
     free_memory,
     workload_for,
 )
+from parallel_lib.gpu_checks_part2 import check_schedules, check_sharding, check_tensor_parallel
 from parallel_lib.runtime.environment import environment_report
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "Planned",

@@ -5,3 +5,18 @@ measures the machine it runs on and prints a table to paste into the README.
 Each ``parallel_lib/bench/NAME.py`` defines ``main(argv) -> int``; the tests only
 smoke-run them with ``--quick``.
 """
+
+import argparse
+
+__all__ = ["repeats"]
+
+
+def repeats(text: str) -> int:
+    """The argparse type of every benchmark's ``--repeats``: an int of at least 1.
+
+    argparse names the flag in its error ("argument --repeats: must be >= 1, got 0").
+    """
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from parallel_lib.bench import repeats
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.data_parallel.ring import (
@@ -167,14 +168,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench allreduce", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three sizes up to 1 MB, 3 repeats: a smoke run")
     parser.add_argument("--world-size", type=int, help="ranks (default 2)")
-    parser.add_argument("--repeats", type=int, help="timed repeats per size and variant (median is reported)")
+    parser.add_argument("--repeats", type=repeats, help="timed repeats per size and variant (median is reported)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else Config()
     if args.world_size is not None:
         config = replace(config, world_size=args.world_size)
     if args.repeats is not None:
-        if args.repeats < 1:
-            parser.error(f"--repeats must be >= 1, got {args.repeats}")
         config = replace(config, repeats=args.repeats)
     print(markdown(measure(config)))
     return 0

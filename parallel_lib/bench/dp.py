@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from parallel_lib.bench import repeats
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.training import busy_machine_warning
 from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, run_dp, train_replica
@@ -151,14 +152,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench dp", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny batches, a few steps, 1 repeat: a smoke run")
     parser.add_argument("--world-size", type=int, help="ranks (default 2)")
-    parser.add_argument("--repeats", type=int, help="repeats per variant (median is reported)")
+    parser.add_argument("--repeats", type=repeats, help="repeats per variant (median is reported)")
     parser.add_argument("--model", help="GPT-2 size (default: tiny on CPU, gpt2 on GPUs)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else Config()
     for name in ("world_size", "repeats", "model"):
         if getattr(args, name) is not None:
             config = replace(config, **{name: getattr(args, name)})
-    if config.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {config.repeats}")
     print(markdown(measure(config)))
     return 0

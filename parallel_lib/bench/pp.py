@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel_lib.bench import repeats
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.pipeline_parallel.pipe import Pipe
@@ -316,13 +317,11 @@ def markdown(results: Results) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench pp", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats: a smoke run")
-    parser.add_argument("--repeats", type=int, help="timed repeats per variant (median is reported)")
+    parser.add_argument("--repeats", type=repeats, help="timed repeats per variant (median is reported)")
     parser.add_argument("--no-processes", action="store_true", help="skip torch.distributed.pipelining")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else Config()
     if args.repeats is not None:
-        if args.repeats < 1:
-            parser.error(f"--repeats must be >= 1, got {args.repeats}")
         config = replace(config, repeats=args.repeats)
     if args.no_processes:
         config = replace(config, processes=False)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from parallel_lib.bench import repeats
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.pipeline_parallel import Pipe, make_schedule, stages_per_rank
 from parallel_lib.pipeline_parallel.process import ProcessConfig, run_pipeline_ranks
@@ -140,12 +141,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench schedules",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, m = 4, one repeat: a smoke run")
-    parser.add_argument("--repeats", type=int, help="timed repeats per schedule (median is reported)")
+    parser.add_argument("--repeats", type=repeats, help="timed repeats per schedule (median is reported)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else Config()
     if args.repeats is not None:
-        if args.repeats < 1:
-            parser.error(f"--repeats must be >= 1, got {args.repeats}")
         config = replace(config, repeats=args.repeats)
     print(markdown(*run(config)))
     return 0
