@@ -21,16 +21,18 @@ raise before anything runs.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import torch
 
 from parallel_lib.common.checks import positive_int
 from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
-from parallel_lib.inference.batch import Group, Request, Result, check_requests
+from parallel_lib.inference.batch import Group, Request, Result, StepInput, check_requests
 from parallel_lib.inference.kv_cache import KVCache
 from parallel_lib.inference.stage import Stage, build_stage
 from parallel_lib.model_parallel.device_map import DeviceKey, get_device_map, lane_name
+from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
 from parallel_lib.runtime.device import resolve_device
 
 __all__ = ["Engine", "admit"]
@@ -79,6 +81,8 @@ class Engine:
         self.caches: list[KVCache] = [s.new_cache(self.max_batch, self.max_len, dtype) for s in self.stages]
         self.recorder = TimelineRecorder(DeviceClock([s.device for s in self.stages]))
         self.device_events: list[Event] = []
+        self.count_collectives = False  # set True to record each pass's collectives (tensor parallelism)
+        self.collectives: list[tuple[int, CollectiveCounter]] = []
 
     @classmethod
     def single(cls, model: Any, max_batch: int = 8, max_len: Optional[int] = None,
@@ -109,14 +113,22 @@ class Engine:
         """Bytes of every stage's KV cache (storage census)."""
         return sum(c.nbytes() for c in self.caches)
 
-    def forward(self, step: Any) -> torch.Tensor:
-        """One pass of the group's step through every stage; returns the logits (b, V) on the CPU."""
-        x = step.ids
-        for stage, cache in zip(self.stages, self.caches):
-            start = self.recorder.now()
-            x = stage(step, x, cache)
-            self.device_events.append(Event(stage.lane, "prefill" if step.ids.shape[1] > 1 or self._step == 0
-                                            else "decode", self._group, start, self.recorder.now()))
+    def forward(self, step: StepInput, index: int = 0, group: int = 0) -> torch.Tensor:
+        """Step ``index`` of group ``group`` through every stage; returns the logits (b, V) on the CPU.
+
+        Each stage's work is one event on its lane; with ``count_collectives`` set, the collectives
+        this rank issued in the pass are appended to :attr:`collectives` as ``(step index, counter)``.
+        """
+        counting = count_collectives() if self.count_collectives else nullcontext(None)
+        with counting as counter:
+            x = step.ids
+            for stage, cache in zip(self.stages, self.caches):
+                start = self.recorder.now()
+                x = stage(step, x, cache)
+                self.device_events.append(Event(stage.lane, "decode" if index else "prefill", group, start,
+                                                self.recorder.now(), f"g{group}"))
+        if counter is not None:
+            self.collectives.append((index, counter))
         return x.float().cpu()
 
     def generate(self, requests: Sequence[Request], indices: Optional[Sequence[int]] = None) -> list[Result]:
@@ -142,21 +154,25 @@ class Engine:
         for g, start in enumerate(range(0, len(admitted), self.max_batch)):
             chosen = admitted[start:start + self.max_batch]
             group = Group([requests[p] for p in chosen], [indices[p] for p in chosen])
-            self._group = g
-            for result in self.run_group(group):
+            for result in self.run_group(group, g):
                 result.arrival, result.served_by = arrival, "+".join(s.lane for s in self.stages)
                 results[result.index] = result
         return [results[i] for i in indices]
 
-    def run_group(self, group: Group) -> list[Result]:
-        """Prefill then decode one group until every request in it is done."""
+    def run_group(self, group: Group, number: int = 0) -> list[Result]:
+        """Prefill then decode one group (the ``number``-th) until every request in it is done.
+
+        Raises:
+            ValueError: the group has more requests than the cache has rows, or needs more slots.
+        """
         for cache in self.caches:
             cache.check_fits(len(group), group.max_len)
-        self._step, start = 0, self.recorder.now()
-        tokens = group.accept(0, self.forward(group.prefill()), start, self.recorder.now())
+        start = self.recorder.now()
+        tokens = group.accept(0, self.forward(group.prefill(), 0, number), start, self.recorder.now())
         for step in range(1, group.steps):
             if group.done(step):
                 break
-            self._step, start = step, self.recorder.now()
-            tokens = group.accept(step, self.forward(group.decode(step, tokens)), start, self.recorder.now())
+            start = self.recorder.now()
+            tokens = group.accept(step, self.forward(group.decode(step, tokens), step, number), start,
+                                  self.recorder.now())
         return group.results

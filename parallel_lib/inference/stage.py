@@ -84,6 +84,7 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(blocks.values())
         self.heads, self.device, self.lane = heads, device, lane or str(device)
         self.head_dim = self.blocks[0].head_dim if len(self.blocks) else 0
+        self.width = self.blocks[0].ln_1.normalized_shape[0] if len(self.blocks) else 0  # n_embd
         self.wte, self.wpe = embed if embed is not None else (None, None)
         self.ln_f, self.head_weight = head if head is not None else (None, None)
 
