@@ -91,15 +91,17 @@ def kv_cache_bytes(model: Any, tokens: int, dtype: str = "fp16", tp: int = 1, la
     return 2 * layers * kv_heads_per_rank(s, tp) * s.head_dim * width * tokens
 
 
-def _tp_parameters(s: DecoderShape, tp: int) -> int:
-    """Parameters one tensor-parallel rank holds: matrices and column biases /t, vocabulary /t, norms whole."""
+def _tp_parameters(s: DecoderShape, tp: int, vocab_parallel: bool = True) -> int:
+    """Parameters one tensor-parallel rank holds: matrices and column biases /t, vocabulary /t
+    (or whole, without ``vocab_parallel``), norms whole."""
     kv_heads_per_rank(s, tp)  # checks tp
     h, f, kv = s.hidden, s.ffn, kv_heads_per_rank(s, tp) * s.head_dim
+    vocab = tp if vocab_parallel else 1
     if s.gpt2_style:  # q, k, v (column, with biases) | proj (row, bias whole) | fc (column) | proj (row)
         block = (h * 3 * h + 3 * h) // tp + h * h // tp + h + (h * f + f) // tp + f * h // tp + h + 4 * h
-        return s.n_layers * block + s.vocab * h // tp + s.max_positions * h + 2 * h
+        return s.n_layers * block + s.vocab * h // vocab + s.max_positions * h + 2 * h
     block = h * h // tp + 2 * h * kv + h * h // tp + 3 * h * f // tp + 2 * h  # q, k and v of my KV heads, o, MLP
-    return s.n_layers * block + 2 * s.vocab * h // tp + h
+    return s.n_layers * block + 2 * s.vocab * h // vocab + h
 
 
 def _device_layers(s: DecoderShape, strategy: str, n: int) -> list[list[int]]:
@@ -108,12 +110,15 @@ def _device_layers(s: DecoderShape, strategy: str, n: int) -> list[list[int]]:
     return [list(range(s.n_layers))] * n
 
 
-def weights_per_device(model: Any, strategy: str, n_devices: int = 1, dtype: str = "fp16") -> list[float]:
+def weights_per_device(model: Any, strategy: str, n_devices: int = 1, dtype: str = "fp16",
+                       vocab_parallel: bool = True) -> list[float]:
     """Weight bytes on each of ``n_devices`` devices under ``strategy`` (one of :data:`STRATEGIES`).
 
     mp and pp place whole layers with chapter 03's balanced map, the embedding with the first
     device and the head with the last; tp splits every matrix by heads (or MLP columns/rows) and the
-    vocabulary by rows, and keeps norms and position embeddings whole on every rank.
+    vocabulary by rows (Megatron's vocabulary-parallel embedding, chapter 07; ``vocab_parallel=False``:
+    every rank keeps the whole embedding, as the course's serving engine does), and keeps norms and
+    position embeddings whole on every rank.
 
     Raises:
         ValueError: an unknown strategy or dtype, ``single`` on more than one device, or a tp that does
@@ -127,7 +132,7 @@ def weights_per_device(model: Any, strategy: str, n_devices: int = 1, dtype: str
     if strategy in ("mp", "pp"):
         return list(device_bytes(s, dict(enumerate(_device_layers(s, strategy, n))), width).values())
     if strategy == "tp":
-        return [float(_tp_parameters(s, n) * width)] * n
+        return [float(_tp_parameters(s, n, vocab_parallel) * width)] * n
     return [float(sum(count for _, count in layer_parameters(s)) * width)] * n
 
 
