@@ -150,3 +150,9 @@ def test_tp_crossover_width_is_where_tp_starts_to_win():
         assert (predict(shape, "tp", 2, w, slow_link).tpot < predict(shape, "single", 1, w, slow_link).tpot) == faster
     quick_link = tp_crossover_width(dataclasses.replace(slow_link, link_latency=5e-6), 2, 1, 32)
     assert quick_link is not None and quick_link < width  # the same device on a quicker link pays sooner
+
+
+def test_pareto_front_keeps_the_points_nothing_beats():
+    from parallel_lib.inference.cost_model import pareto_front
+    points = [(1.0, 10.0), (2.0, 5.0), (2.0, 30.0), (3.0, 20.0), (4.0, 40.0), (0.5, 1.0)]
+    assert pareto_front(points) == [5, 0, 2, 4]  # (2, 5) and (3, 20) are beaten by (2, 30)

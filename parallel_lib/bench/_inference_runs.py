@@ -26,8 +26,9 @@ from parallel_lib.bench._tp_runs import allreduce_fit
 from parallel_lib.common.machine_speed import MachineSpeed, measure_machine_speed
 from parallel_lib.inference.batch import Request
 from parallel_lib.inference.strategies import ServeConfig, ServeRun, serve_worker
+from parallel_lib.runtime.launcher import launch
 
-__all__ = ["Job", "Measured", "make_requests", "serve_jobs", "collect", "measured"]
+__all__ = ["Job", "Measured", "make_requests", "serve_jobs", "collect", "measured", "launch_jobs"]
 
 IN_PROCESS = ("single", "mp")
 
@@ -109,3 +110,19 @@ def measured(run: ServeRun) -> Measured:
     return Measured(run.strategy, run.world_size, len(run.results), statistics.mean(r.ttft for r in ok),
                     statistics.mean(tpots) if tpots else math.nan, run.tokens_per_second(),
                     max(r.weight_bytes for r in run.ranks), max(r.kv_bytes for r in run.ranks))
+
+
+def launch_jobs(jobs: Sequence[Job], world_size: int = 2, fit: bool = False, speed: bool = False,
+                timeout: float = 300.0, warmup: bool = True) -> tuple[list[ServeRun], Any, Any]:
+    """Launch ``world_size`` gloo ranks once (one thread each) and serve every job in them.
+
+    Returns ``(one ServeRun per job, the all-reduce fit or None, this machine's speed or None)``. With
+    ``warmup`` a throwaway single-device job runs first, so the first measured job does not pay for
+    one-time costs (allocation, first calls).
+    """
+    first = [Job("single", 1, make_requests(1, 4, 2, jobs[0].config.vocab_size), jobs[0].config)] if warmup else []
+    everything = first + list(jobs)
+    outputs = launch(serve_jobs, world_size, everything, timeout, fit, speed, backend="gloo", threads_per_rank=1,
+                     timeout=timeout)
+    runs = collect(everything, [o[0] for o in outputs])[len(first):]
+    return runs, outputs[0][1], outputs[0][2]

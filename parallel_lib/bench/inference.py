@@ -25,13 +25,12 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from parallel_lib.bench import repeats as repeats_type
-from parallel_lib.bench._inference_runs import Job, Measured, collect, make_requests, measured, serve_jobs
+from parallel_lib.bench._inference_runs import Job, Measured, launch_jobs, make_requests, measured
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference.cost_model import (Hardware, Prediction, Workload, calibrate_overhead,
                                                hardware_from_speed, predict, tp_crossover_width)
 from parallel_lib.inference.strategies import ServeConfig
 from parallel_lib.runtime.environment import machine_label
-from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "Results", "measure", "predictions", "markdown", "article_rows", "ARTICLE", "main"]
 
@@ -103,13 +102,9 @@ def measure(config: Config = Config()) -> Results:
     fitted, speed = None, None
     for world in c.worlds:
         keyed = _jobs(c, world)
-        warmup = [Job("single", 1, make_requests(2, c.prompt, 2, c.vocab_size), c.serve_config())]
-        jobs = warmup + [job for _, job in keyed] * c.repeats
-        outputs = launch(serve_jobs, world, jobs, c.timeout, world == 2, world == 2, backend="gloo",
-                         threads_per_rank=1, timeout=c.timeout)
-        fitted = outputs[0][1] or fitted
-        speed = outputs[0][2] or speed
-        served = collect(jobs, [o[0] for o in outputs])[1:]
+        served, fit, measured_speed = launch_jobs([job for _, job in keyed] * c.repeats, world, world == 2,
+                                                  world == 2, c.timeout)
+        fitted, speed = fit or fitted, measured_speed or speed
         for i, run in enumerate(served):
             runs.setdefault(keyed[i % len(keyed)][0], []).append(measured(run))
     best = {key: sorted(ms, key=lambda m: m.tokens_per_second)[len(ms) // 2] for key, ms in runs.items()}

@@ -40,7 +40,8 @@ from parallel_lib.model_parallel.layer_memory import DecoderShape, layer_paramet
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, GiB
 
 __all__ = ["Hardware", "GPUS", "hardware_from_speed", "Workload", "Prediction", "matmul_parameters",
-           "forward_flops", "forward_bytes", "step_seconds", "predict", "calibrate_overhead", "tp_crossover_width"]
+           "forward_flops", "forward_bytes", "step_seconds", "predict", "calibrate_overhead", "tp_crossover_width",
+           "pareto_front"]
 
 
 @dataclass(frozen=True)
@@ -235,3 +236,14 @@ def tp_crossover_width(hw: Hardware, n_layers: int, batch: int, context: int, tp
         if many < one:
             return h
     return None
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the ``(latency, throughput)`` points no other point beats on both (lower latency, higher
+    throughput), in order of latency: the configurations worth choosing among."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front: list[int] = []
+    for i in order:
+        if not front or points[i][1] > points[front[-1]][1]:
+            front.append(i)
+    return front
