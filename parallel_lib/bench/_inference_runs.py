@@ -28,7 +28,7 @@ from parallel_lib.inference.batch import Request
 from parallel_lib.inference.strategies import ServeConfig, ServeRun, serve_worker
 from parallel_lib.runtime.launcher import launch
 
-__all__ = ["Job", "Measured", "make_requests", "serve_jobs", "collect", "measured", "launch_jobs"]
+__all__ = ["Job", "Measured", "make_requests", "serve_jobs", "collect", "measured", "launch_jobs", "median_runs"]
 
 IN_PROCESS = ("single", "mp")
 
@@ -126,3 +126,11 @@ def launch_jobs(jobs: Sequence[Job], world_size: int = 2, fit: bool = False, spe
                      timeout=timeout)
     runs = collect(everything, [o[0] for o in outputs])[len(first):]
     return runs, outputs[0][1], outputs[0][2]
+
+
+def median_runs(jobs: Sequence[Job], runs: Sequence[ServeRun], repeats: int) -> list[ServeRun]:
+    """The median run (by tokens/s) of each job, for ``runs`` of ``list(jobs) * repeats``: a loaded machine's
+    stalls land in single runs, and the median leaves them out."""
+    if len(runs) != len(jobs) * repeats:
+        raise ValueError(f"expected {len(jobs)} jobs x {repeats} repeats = {len(jobs) * repeats} runs, got {len(runs)}")
+    return [sorted(runs[j::len(jobs)], key=lambda r: r.tokens_per_second())[repeats // 2] for j in range(len(jobs))]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from parallel_lib.bench import repeats as repeats_type
-from parallel_lib.bench._inference_runs import Job, Measured, launch_jobs, make_requests, measured
+from parallel_lib.bench._inference_runs import Job, Measured, launch_jobs, make_requests, measured, median_runs
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference.cost_model import (Hardware, Prediction, Workload, calibrate_overhead,
                                                hardware_from_speed, predict, tp_crossover_width)
@@ -98,16 +98,14 @@ def _jobs(c: Config, world: int) -> list[tuple[tuple, Job]]:
 def measure(config: Config = Config()) -> Results:
     """One launch per world size running every job ``repeats`` times (after one warm-up job); see the module docstring."""
     c = config
-    runs: dict[tuple, list[Measured]] = {}
+    best: dict[tuple, Measured] = {}
     fitted, speed = None, None
     for world in c.worlds:
         keyed = _jobs(c, world)
-        served, fit, measured_speed = launch_jobs([job for _, job in keyed] * c.repeats, world, world == 2,
-                                                  world == 2, c.timeout)
+        jobs = [job for _, job in keyed]
+        served, fit, measured_speed = launch_jobs(jobs * c.repeats, world, world == 2, world == 2, c.timeout)
         fitted, speed = fit or fitted, measured_speed or speed
-        for i, run in enumerate(served):
-            runs.setdefault(keyed[i % len(keyed)][0], []).append(measured(run))
-    best = {key: sorted(ms, key=lambda m: m.tokens_per_second)[len(ms) // 2] for key, ms in runs.items()}
+        best.update({key: measured(run) for (key, _), run in zip(keyed, median_runs(jobs, served, c.repeats))})
     assert fitted is not None and speed is not None, "the world-size-2 launch measures the machine"
     hw = hardware_from_speed(speed, 0.0, fitted[0], fitted[1], name=machine_label())
     single = best[("single", 1, 1)]
