@@ -60,3 +60,18 @@ def test_quick_run_measures_every_strategy_and_its_census(capsys):
     with pytest.raises(SystemExit) as leaving:  # the dispatcher reaches the benchmark's own parser
         bench_dispatch(["inference", "--help"])
     assert leaving.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def test_latency_throughput_plot_draws_the_pareto_front_of_its_points():
+    import matplotlib.pyplot as plt
+
+    from parallel_lib.inference.cost_model import pareto_front
+    from parallel_lib.viz.inference import calculator_figure, plot_latency_throughput
+    points = [dict(strategy=s, ranks=2, concurrency=n, tpot=t, tokens_per_second=r)
+              for s, n, t, r in (("dp", 1, 1e-3, 100.0), ("pp", 4, 2e-3, 400.0), ("tp", 1, 3e-3, 50.0))]
+    fig = plot_latency_throughput(points)
+    front = [line for line in fig.axes[0].lines if line.get_label() == "Pareto front (measured)"][0]
+    assert list(front.get_xdata()) == [points[i]["tokens_per_second"] for i in pareto_front(
+        [(p["tpot"], p["tokens_per_second"]) for p in points])] == [100.0, 400.0]
+    assert len(calculator_figure("llama-2-70b", "L4 24GB (published)", "pp", 8, 4, 1024, 64).axes) == 3
+    plt.close("all")
