@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.common.models import build_gpt2, gpt2_config
@@ -35,7 +36,7 @@ from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import is_torchrun, run
 from parallel_lib.tensor_parallel.split import check_divisible
 
-__all__ = ["STRATEGIES", "ServeConfig", "RankReport", "ServeRun", "check_serve", "serve", "serve_worker"]
+__all__ = ["STRATEGIES", "ServeConfig", "RankReport", "ServeRun", "check_serve", "serve", "serve_many", "serve_worker"]
 
 STRATEGIES = ("single", "dp", "mp", "pp", "tp")
 IN_PROCESS = ("single", "mp")
@@ -147,21 +148,58 @@ def serve(requests: Sequence[Request], strategy: str = "single", world_size: int
         ValueError, TypeError: see :func:`check_serve`; nothing has started then.
         RankError: a rank failed (naming it).
     """
-    requests = check_serve(strategy, world_size, requests, config)
-    start = time.perf_counter()
-    if strategy in IN_PROCESS:
-        results, reports = serve_worker(0, 1, strategy, requests, config, world_size)
-        return ServeRun(strategy, world_size, results, reports, time.perf_counter() - start)
-    timeout = launch_kwargs.setdefault("timeout", 60.0)  # the launch's and each wait's limit
-    per_rank = run(serve_worker, None if is_torchrun() else world_size, strategy, requests, config, world_size,
-                   timeout, **launch_kwargs)
-    seconds = time.perf_counter() - start
-    merged = {r.index: r for results, _ in per_rank for r in results}
-    missing = [i for i in range(len(requests)) if i not in merged]
-    if missing:
-        raise RuntimeError(f"strategy={strategy!r}: no rank returned requests {missing}")
-    return ServeRun(strategy, len(per_rank), [merged[i] for i in range(len(requests))],
-                    [report for _, reports in per_rank for report in reports], seconds)
+    return serve_many(requests, [strategy], world_size, config, **launch_kwargs)[strategy]
+
+
+def serve_many(requests: Sequence[Request], strategies: Sequence[str], world_size: int,
+               config: ServeConfig = ServeConfig(), **launch_kwargs: Any) -> dict[str, ServeRun]:
+    """Several strategies on the same requests, the ranked ones (dp, pp, tp) in ONE launch.
+
+    Starting ranks costs seconds (each imports torch); the ranks here run the strategies one after
+    another. ``ServeRun.seconds`` is the time the strategy's work took (the slowest rank's, between
+    two barriers), never the start-up. ``single`` always runs on one device.
+
+    Raises:
+        ValueError, TypeError: see :func:`check_serve`, for any of the strategies; nothing has started then.
+    """
+    if isinstance(strategies, str) or not strategies:
+        raise ValueError(f"strategies must be a non-empty list of names from {STRATEGIES}, got {strategies!r}")
+    for strategy in strategies:
+        requests = check_serve(strategy, 1 if strategy == "single" else world_size, requests, config)
+    runs: dict[str, ServeRun] = {}
+    for strategy in strategies:
+        if strategy in IN_PROCESS:
+            size = 1 if strategy == "single" else world_size
+            start = time.perf_counter()
+            results, reports = serve_worker(0, 1, strategy, requests, config, size)
+            runs[strategy] = ServeRun(strategy, size, results, reports, time.perf_counter() - start)
+    ranked = [s for s in strategies if s not in IN_PROCESS]
+    if ranked:
+        timeout = launch_kwargs.setdefault("timeout", 60.0)  # the launch's and each wait's limit
+        per_rank = run(_ranked_worker, None if is_torchrun() else world_size, ranked, requests, config, timeout,
+                       **launch_kwargs)
+        for strategy in ranked:
+            merged = {r.index: r for out in per_rank for r in out[strategy][0]}
+            missing = [i for i in range(len(requests)) if i not in merged]
+            if missing:
+                raise RuntimeError(f"strategy={strategy!r}: no rank returned requests {missing}")
+            runs[strategy] = ServeRun(strategy, len(per_rank), [merged[i] for i in range(len(requests))],
+                                      [rep for out in per_rank for rep in out[strategy][1]],
+                                      max(out[strategy][2] for out in per_rank))
+    return {s: runs[s] for s in strategies}
+
+
+def _ranked_worker(rank: int, world_size: int, strategies: list[str], requests: list[Request], config: ServeConfig,
+                   timeout: float) -> dict[str, tuple[list[Result], list[RankReport], float]]:
+    """Each strategy in turn on this rank, timed between barriers (every rank starts and ends together)."""
+    out = {}
+    for strategy in strategies:
+        dist.barrier()
+        start = time.perf_counter()
+        results, reports = serve_worker(rank, world_size, strategy, requests, config, world_size, timeout)
+        dist.barrier()
+        out[strategy] = (results, reports, time.perf_counter() - start)
+    return out
 
 
 def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Request], config: ServeConfig,
