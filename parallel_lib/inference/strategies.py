@@ -212,20 +212,22 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
     model = config.build()
     n_layer = model.config.n_layer
     if strategy in IN_PROCESS:
-        engine = Engine.model_parallel(model, list(range(devices)) if strategy == "mp" else ["cpu"], config.max_batch)
+        engine = Engine.model_parallel(model, list(range(devices if strategy == "mp" else 1)),
+                                       *_cache_size(requests, config))
         return engine.generate(requests), _reports(engine)
     device = rank_device()
     if strategy == "dp":
         sizes = partition_lengths(len(requests), [1 / world_size] * world_size)
         first = sum(sizes[:rank])
         mine = range(first, first + sizes[rank])
-        engine = Engine.model_parallel(model, [device], config.max_batch)
+        engine = Engine.model_parallel(model, [device], *_cache_size([requests[i] for i in mine], config))
         engine.stages[0].lane = f"rank {rank}"
         results = engine.generate([requests[i] for i in mine], list(mine)) if len(mine) else []
         return results, _reports(engine)
     if strategy == "tp":
         stage = build_stage(model, range(n_layer), device, first=True, last=True, tp=True, lane=f"rank {rank}")
-        engine = Engine([stage], config.max_batch, model.config.n_positions, model.config.vocab_size)
+        rows, slots = _cache_size(requests, config)
+        engine = Engine([stage], rows, model.config.n_positions, model.config.vocab_size, slots)
         engine.count_collectives = True
         results = engine.generate(requests)
         return (results if rank == 0 else []), _reports(engine)
@@ -234,6 +236,15 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
     results, events, kv = run_pipeline_stage(stage, requests, rank, world_size, config.groups or world_size,
                                              config.max_batch, model.config.vocab_size, timeout)
     return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events)]
+
+
+def _cache_size(requests: Sequence[Request], config: ServeConfig) -> tuple[int, int]:
+    """``(rows, slots)`` of an engine's cache: the groups it serves one at a time, the longest request.
+
+    Sized to the work rather than to the model's context, so every strategy's census counts what
+    it really needs (pipeline stages hold one cache per group in flight, :mod:`.pipeline`).
+    """
+    return max(1, min(config.max_batch, len(requests))), max((r.slots for r in requests), default=1)
 
 
 def _reports(engine: Engine) -> list[RankReport]:
