@@ -47,6 +47,9 @@ def test_model_parallel_on_two_and_four_devices_gives_the_single_engines_tokens(
 
     assert runs["mp"].tokens == two.tokens == runs["single"].tokens
     assert [r.lane for r in runs["mp"].ranks] == ["device 0", "device 1", "device 2", "device 3"]
+    # the head stays tied to device 0's embedding: the devices' weights add up to the model's, counted once
+    assert sum(r.weight_bytes for r in runs["mp"].ranks) == runs["single"].ranks[0].weight_bytes
+    assert sum(r.kv_bytes for r in runs["mp"].ranks) == runs["single"].ranks[0].kv_bytes
     # one stage works at a time: each device's events come in the order the hidden state visits them
     events = sorted((e for r in runs["mp"].ranks for e in r.events), key=lambda e: e.start)
     assert [e.lane for e in events[:4]] == ["device 0", "device 1", "device 2", "device 3"]

@@ -10,7 +10,7 @@ import multiprocessing
 
 import pytest
 
-from parallel_lib.inference import Request, ServeConfig, serve, serve_many
+from parallel_lib.inference import Request, ServeConfig, kv_cache_bytes, serve, serve_many
 from parallel_lib.inference.cli import main
 
 # max_batch 2: dp's ranks serve several groups each, and pp has 3 groups in flight on 2 stages
@@ -38,6 +38,13 @@ def test_dp_pp_and_tp_on_two_ranks_give_the_single_engines_tokens():
         decode = [(calls, total) for step, calls, total in rank.collectives if step > 0]
         assert decode and all(calls == total == 2 * n_layer for calls, total in decode)
         assert rank.kv_bytes * 2 == single.ranks[0].kv_bytes  # the cache split by heads
+    # pp: each stage holds its 2 layers' cache for every group in flight (3 groups of at most 2)
+    config = CONFIG.config()
+    head_dim = config.n_embd // config.n_head
+    groups = runs["pp"].ranks[0].groups
+    assert groups == [[0, 1], [2, 4], [5]]  # request 3 refused on every stage alike
+    expected = sum(kv_cache_bytes(2, config.n_head, head_dim, max(REQUESTS[i].slots for i in g), len(g)) for g in groups)
+    assert [rank.kv_bytes for rank in runs["pp"].ranks] == [expected, expected]
     # pp: 3 groups on 2 stages; every stage ran every group's every step
     steps = sorted((e.micro_batch, e.kind) for e in runs["pp"].ranks[0].events)
     assert steps == sorted((e.micro_batch, e.kind) for e in runs["pp"].ranks[1].events)

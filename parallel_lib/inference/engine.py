@@ -80,7 +80,8 @@ class Engine:
         self.max_len = positive_int("max_len", max_len if max_len is not None else n_positions)
         self.caches: list[KVCache] = [s.new_cache(self.max_batch, self.max_len, dtype) for s in self.stages]
         self.recorder = TimelineRecorder(DeviceClock([s.device for s in self.stages]))
-        self.device_events: list[Event] = []
+        self.device_events: list[Event] = []  # lane = stage, micro_batch = the group's number
+        self.groups: list[list[int]] = []      # the request indices of each group served, in order
         self.count_collectives = False  # set True to record each pass's collectives (tensor parallelism)
         self.collectives: list[tuple[int, CollectiveCounter]] = []
 
@@ -104,9 +105,7 @@ class Engine:
         for n, key in enumerate(keys):
             stages.append(build_stage(model, device_map[key], resolve_device(key), first=n == 0,
                                       last=n == len(keys) - 1, lane=lane_name(key),
-                                      embed=(stages[0].wte, stages[0].wpe) if stages else None))
-        if len(stages) == 1 and stages[0].last:  # one stage: the head is its own embedding (tied)
-            stages[0].head_weight = stages[0].wte.weight
+                                      embed=(stages[0].wte, stages[0].wpe) if stages else None))  # tied head
         return cls(stages, max_batch, config.n_positions, config.vocab_size, max_len, next(model.parameters()).dtype)
 
     def kv_bytes(self) -> int:
@@ -151,10 +150,11 @@ class Engine:
         admitted, refused = admit(requests, indices, self.vocab_size)
         results = {r.index: r for r in refused}
         arrival = self.recorder.now()
-        for g, start in enumerate(range(0, len(admitted), self.max_batch)):
+        for start in range(0, len(admitted), self.max_batch):
             chosen = admitted[start:start + self.max_batch]
             group = Group([requests[p] for p in chosen], [indices[p] for p in chosen])
-            for result in self.run_group(group, g):
+            self.groups.append(group.indices)
+            for result in self.run_group(group, len(self.groups) - 1):
                 result.arrival, result.served_by = arrival, "+".join(s.lane for s in self.stages)
                 results[result.index] = result
         return [results[i] for i in indices]

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel_lib.common.checks import check_choice, check_number, positive_int
+from parallel_lib.common.checks import check_choice, check_int, positive_int
 from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.common.timeline import Event
 from parallel_lib.data.partition import partition_lengths
@@ -70,13 +70,22 @@ class ServeConfig:
 
 @dataclass
 class RankReport:
-    """One rank's or device's share: bytes it holds (tensor census) and what it did when."""
+    """One rank's or device's share: bytes it holds (tensor census) and what it did when.
+
+    Attributes:
+        lane: the rank or device ("rank 1", "stage 0", "device 2").
+        kv_bytes, weight_bytes: the storage of its KV cache(s) and of its parameters.
+        events: its work, one event per group and step (``micro_batch`` = the group's number).
+        collectives: tp: ``(step, all-reduce calls, all calls)`` per forward pass on this rank.
+        groups: the request indices of each group it served, by group number.
+    """
 
     lane: str
     kv_bytes: int
     weight_bytes: int
     events: list[Event] = field(default_factory=list)
-    collectives: list[tuple[int, int, int]] = field(default_factory=list)  # (step, all-reduce calls, all calls)
+    collectives: list[tuple[int, int, int]] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -121,7 +130,7 @@ def check_serve(strategy: str, world_size: int, requests: Any, config: ServeConf
     if not isinstance(config, ServeConfig):
         raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
     positive_int("max_batch", config.max_batch)
-    check_number("groups", config.groups, 0)
+    check_int("groups", config.groups, minimum=0, hint="0 puts one group per pipeline stage in flight")
     model = config.config()
     if strategy == "single" and world_size != 1:
         raise ValueError(f"strategy='single' runs on one device, got world_size={world_size}; use dp, mp, pp or tp")
@@ -233,9 +242,9 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
         return (results if rank == 0 else []), _reports(engine)
     layers = get_device_map(n_layer, list(range(world_size)))[rank]
     stage = build_stage(model, layers, device, first=rank == 0, last=rank == world_size - 1, lane=f"stage {rank}")
-    results, events, kv = run_pipeline_stage(stage, requests, rank, world_size, config.groups or world_size,
-                                             config.max_batch, model.config.vocab_size, timeout)
-    return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events)]
+    results, events, kv, groups = run_pipeline_stage(stage, requests, rank, world_size, config.groups or world_size,
+                                                     config.max_batch, model.config.vocab_size, timeout)
+    return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events, groups=groups)]
 
 
 def _cache_size(requests: Sequence[Request], config: ServeConfig) -> tuple[int, int]:
@@ -251,5 +260,5 @@ def _reports(engine: Engine) -> list[RankReport]:
     """One report per stage of an in-process engine (per device for mp)."""
     counts = [(step, c.calls_of("all_reduce"), c.calls_of()) for step, c in engine.collectives]
     return [RankReport(stage.lane, cache.nbytes(), _weight_bytes(stage),
-                       [e for e in engine.device_events if e.lane == stage.lane], counts)
+                       [e for e in engine.device_events if e.lane == stage.lane], counts, engine.groups)
             for stage, cache in zip(engine.stages, engine.caches)]
