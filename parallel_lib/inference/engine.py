@@ -64,13 +64,16 @@ class Engine:
         max_len: cache slots per request (default: the model's ``n_positions``).
         n_positions, vocab_size: the model's context and vocabulary.
         dtype: of the caches (the model's).
+        count_collectives: record the collectives of every forward pass in :attr:`collectives`
+            (tensor parallelism: the test that each decoded token costs 2 all-reduces per layer).
 
     Raises:
         ValueError: no stages, or stages that do not start with the embedding and end with the head.
     """
 
     def __init__(self, stages: Sequence[Stage], max_batch: int, n_positions: int, vocab_size: int,
-                 max_len: Optional[int] = None, dtype: torch.dtype = torch.float32) -> None:
+                 max_len: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                 count_collectives: bool = False) -> None:
         self.stages = list(stages)
         if not self.stages or not self.stages[0].first or not self.stages[-1].last:
             raise ValueError("stages must start with the embedding and end with the head (build_stage(first=..., "
@@ -82,8 +85,8 @@ class Engine:
         self.recorder = TimelineRecorder(DeviceClock([s.device for s in self.stages]))
         self.device_events: list[Event] = []  # lane = stage, micro_batch = the group's number
         self.groups: list[list[int]] = []      # the request indices of each group served, in order
-        self.count_collectives = False  # set True to record each pass's collectives (tensor parallelism)
-        self.collectives: list[tuple[int, CollectiveCounter]] = []
+        self.count_collectives = count_collectives
+        self.collectives: list[tuple[int, CollectiveCounter]] = []  # (step, what this rank issued in the pass)
 
     @classmethod
     def single(cls, model: Any, max_batch: int = 8, max_len: Optional[int] = None,

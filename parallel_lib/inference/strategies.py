@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,8 +165,8 @@ def serve_many(requests: Sequence[Request], strategies: Sequence[str], world_siz
     """Several strategies on the same requests, the ranked ones (dp, pp, tp) in ONE launch.
 
     Starting ranks costs seconds (each imports torch); the ranks here run the strategies one after
-    another. ``ServeRun.seconds`` is the time the strategy's work took (the slowest rank's, between
-    two barriers), never the start-up. ``single`` always runs on one device.
+    another. ``ServeRun.seconds`` is the time serving took (on ranks the slowest rank's, between two
+    barriers), never the start-up or building the model. ``single`` always runs on one device.
 
     Raises:
         ValueError, TypeError: see :func:`check_serve`, for any of the strategies; nothing has started then.
@@ -179,9 +179,8 @@ def serve_many(requests: Sequence[Request], strategies: Sequence[str], world_siz
     for strategy in strategies:
         if strategy in IN_PROCESS:
             size = 1 if strategy == "single" else world_size
-            start = time.perf_counter()
-            results, reports = serve_worker(0, 1, strategy, requests, config, size)
-            runs[strategy] = ServeRun(strategy, size, results, reports, time.perf_counter() - start)
+            results, reports, seconds = serve_worker(0, 1, strategy, requests, config, size)
+            runs[strategy] = ServeRun(strategy, size, results, reports, seconds)
     ranked = [s for s in strategies if s not in IN_PROCESS]
     if ranked:
         timeout = launch_kwargs.setdefault("timeout", 60.0)  # the launch's and each wait's limit
@@ -200,30 +199,37 @@ def serve_many(requests: Sequence[Request], strategies: Sequence[str], world_siz
 
 def _ranked_worker(rank: int, world_size: int, strategies: list[str], requests: list[Request], config: ServeConfig,
                    timeout: float) -> dict[str, tuple[list[Result], list[RankReport], float]]:
-    """Each strategy in turn on this rank, timed between barriers (every rank starts and ends together)."""
-    out = {}
-    for strategy in strategies:
+    """Each strategy in turn on this rank."""
+    return {s: serve_worker(rank, world_size, s, requests, config, world_size, timeout) for s in strategies}
+
+
+def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
+    """``work()`` and the seconds it took; between barriers on ranks, so the slowest rank's time is everyone's."""
+    ranked = dist.is_available() and dist.is_initialized()
+    if ranked:
         dist.barrier()
-        start = time.perf_counter()
-        results, reports = serve_worker(rank, world_size, strategy, requests, config, world_size, timeout)
+    start = time.perf_counter()
+    out = work()
+    if ranked:
         dist.barrier()
-        out[strategy] = (results, reports, time.perf_counter() - start)
-    return out
+    return out, time.perf_counter() - start
 
 
 def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Request], config: ServeConfig,
-                 devices: int = 1, timeout: float = 60.0) -> tuple[list[Result], list[RankReport]]:
+                 devices: int = 1, timeout: float = 60.0) -> tuple[list[Result], list[RankReport], float]:
     """One rank's work (``launch``/torchrun call it as ``fn(rank, world_size, *args)``); in-process for single/mp.
 
     Returns:
-        ``(results this rank reports, [RankReport per device it drives])``.
+        ``(results this rank reports, [RankReport per device it drives], seconds)``: the seconds of
+        serving only (building the model and the stages is not counted).
     """
     model = config.build()
     n_layer = model.config.n_layer
     if strategy in IN_PROCESS:
         engine = Engine.model_parallel(model, list(range(devices if strategy == "mp" else 1)),
                                        *_cache_size(requests, config))
-        return engine.generate(requests), _reports(engine)
+        results, seconds = _timed(lambda: engine.generate(requests))
+        return results, _reports(engine), seconds
     device = rank_device()
     if strategy == "dp":
         sizes = partition_lengths(len(requests), [1 / world_size] * world_size)
@@ -231,20 +237,21 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
         mine = range(first, first + sizes[rank])
         engine = Engine.model_parallel(model, [device], *_cache_size([requests[i] for i in mine], config))
         engine.stages[0].lane = f"rank {rank}"
-        results = engine.generate([requests[i] for i in mine], list(mine)) if len(mine) else []
-        return results, _reports(engine)
+        results, seconds = _timed(lambda: engine.generate([requests[i] for i in mine], list(mine)) if len(mine) else [])
+        return results, _reports(engine), seconds
     if strategy == "tp":
         stage = build_stage(model, range(n_layer), device, first=True, last=True, tp=True, lane=f"rank {rank}")
         rows, slots = _cache_size(requests, config)
-        engine = Engine([stage], rows, model.config.n_positions, model.config.vocab_size, slots)
-        engine.count_collectives = True
-        results = engine.generate(requests)
-        return (results if rank == 0 else []), _reports(engine)
+        engine = Engine([stage], rows, model.config.n_positions, model.config.vocab_size, slots,
+                        count_collectives=True)
+        results, seconds = _timed(lambda: engine.generate(requests))
+        return (results if rank == 0 else []), _reports(engine), seconds
     layers = get_device_map(n_layer, list(range(world_size)))[rank]
     stage = build_stage(model, layers, device, first=rank == 0, last=rank == world_size - 1, lane=f"stage {rank}")
-    results, events, kv, groups = run_pipeline_stage(stage, requests, rank, world_size, config.groups or world_size,
-                                                     config.max_batch, model.config.vocab_size, timeout)
-    return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events, groups=groups)]
+    (results, events, kv, groups), seconds = _timed(lambda: run_pipeline_stage(
+        stage, requests, rank, world_size, config.groups or world_size, config.max_batch, model.config.vocab_size,
+        timeout))
+    return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events, groups=groups)], seconds
 
 
 def _cache_size(requests: Sequence[Request], config: ServeConfig) -> tuple[int, int]:
