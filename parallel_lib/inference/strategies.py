@@ -203,9 +203,9 @@ def _ranked_worker(rank: int, world_size: int, strategies: list[str], requests: 
     return {s: serve_worker(rank, world_size, s, requests, config, world_size, timeout) for s in strategies}
 
 
-def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
-    """``work()`` and the seconds it took; between barriers on ranks, so the slowest rank's time is everyone's."""
-    ranked = dist.is_available() and dist.is_initialized()
+def _timed(work: Callable[[], Any], ranked: bool) -> tuple[Any, float]:
+    """``work()`` and the seconds it took; for a ``ranked`` strategy between barriers, so the slowest
+    rank's time is everyone's (an in-process one may run on one rank while the others wait elsewhere)."""
     if ranked:
         dist.barrier()
     start = time.perf_counter()
@@ -228,7 +228,7 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
     if strategy in IN_PROCESS:
         engine = Engine.model_parallel(model, list(range(devices if strategy == "mp" else 1)),
                                        *_cache_size(requests, config))
-        results, seconds = _timed(lambda: engine.generate(requests))
+        results, seconds = _timed(lambda: engine.generate(requests), ranked=False)
         return results, _reports(engine), seconds
     device = rank_device()
     if strategy == "dp":
@@ -237,20 +237,21 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
         mine = range(first, first + sizes[rank])
         engine = Engine.model_parallel(model, [device], *_cache_size([requests[i] for i in mine], config))
         engine.stages[0].lane = f"rank {rank}"
-        results, seconds = _timed(lambda: engine.generate([requests[i] for i in mine], list(mine)) if len(mine) else [])
+        results, seconds = _timed(lambda: engine.generate([requests[i] for i in mine], list(mine)) if mine else [],
+                                  ranked=True)
         return results, _reports(engine), seconds
     if strategy == "tp":
         stage = build_stage(model, range(n_layer), device, first=True, last=True, tp=True, lane=f"rank {rank}")
         rows, slots = _cache_size(requests, config)
         engine = Engine([stage], rows, model.config.n_positions, model.config.vocab_size, slots,
                         count_collectives=True)
-        results, seconds = _timed(lambda: engine.generate(requests))
+        results, seconds = _timed(lambda: engine.generate(requests), ranked=True)
         return (results if rank == 0 else []), _reports(engine), seconds
     layers = get_device_map(n_layer, list(range(world_size)))[rank]
     stage = build_stage(model, layers, device, first=rank == 0, last=rank == world_size - 1, lane=f"stage {rank}")
     (results, events, kv, groups), seconds = _timed(lambda: run_pipeline_stage(
         stage, requests, rank, world_size, config.groups or world_size, config.max_batch, model.config.vocab_size,
-        timeout))
+        timeout), ranked=True)
     return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events, groups=groups)], seconds
 
 
