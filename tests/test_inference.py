@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from parallel_lib.common.models import build_gpt2
 from parallel_lib.inference import (Engine, Group, KVCache, Request, ServeConfig, check_serve, generation_schedule,
                                     group_requests, kv_cache_bytes, serve, serve_many)
 
@@ -129,7 +128,8 @@ def test_a_group_larger_than_the_cache_is_refused(model):
 @pytest.mark.parametrize("strategy, world_size, requests, error, match", [
     ("single", 1, [], ValueError, r"requests must hold at least one Request"),
     ("single", 1, [[1, 2]], TypeError, r"requests\[0\] must be a Request, got list"),
-    ("single", 1, [Request([1] * 120, 10)], ValueError, r"requests\[0\].*longer than the model's context n_positions=128"),
+    ("single", 1, [Request([1] * 120, 10)], ValueError,
+     r"requests\[0\].*longer than the model's context n_positions=128"),
     ("tp", 3, [Request([1])], ValueError, r"n_head=4 is not divisible by the tensor-parallel size tp=3"),
     ("pp", 5, [Request([1])], ValueError, r"world_size=5 > n_layer=4"),
     ("single", 2, [Request([1])], ValueError, r"strategy='single' runs on one device"),

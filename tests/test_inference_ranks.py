@@ -43,7 +43,8 @@ def test_dp_pp_and_tp_on_two_ranks_give_the_single_engines_tokens():
     head_dim = config.n_embd // config.n_head
     groups = runs["pp"].ranks[0].groups
     assert groups == [[0, 1], [2, 4], [5]]  # request 3 refused on every stage alike
-    expected = sum(kv_cache_bytes(2, config.n_head, head_dim, max(REQUESTS[i].slots for i in g), len(g)) for g in groups)
+    expected = sum(kv_cache_bytes(2, config.n_head, head_dim, max(REQUESTS[i].slots for i in g), len(g))
+                   for g in groups)
     assert [rank.kv_bytes for rank in runs["pp"].ranks] == [expected, expected]
     # pp: 3 groups on 2 stages; every stage ran every group's every step
     steps = sorted((e.micro_batch, e.kind) for e in runs["pp"].ranks[0].events)

@@ -83,7 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  {run.tokens_per_second():,.1f} tokens/s over {run.seconds:.3f} s")
     n_layer = config.config().n_layer
     for rank in run.ranks:
-        line = f"  {rank.lane:<9} KV cache {rank.kv_bytes / 2**20:8.3f} MiB, weights {rank.weight_bytes / 2**20:8.3f} MiB"
+        line = (f"  {rank.lane:<9} KV cache {rank.kv_bytes / 2**20:8.3f} MiB, "
+                f"weights {rank.weight_bytes / 2**20:8.3f} MiB")
         decode = {calls for step, calls, _ in rank.collectives if step > 0}
         if decode:
             line += f", all-reduces per decode step {sorted(decode)} (formula 2 x {n_layer} layers = {2 * n_layer})"

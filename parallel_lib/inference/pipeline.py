@@ -40,7 +40,7 @@ __all__ = ["generation_schedule", "group_requests", "run_pipeline_stage"]
 
 
 def group_requests(n: int, groups: int, max_batch: int) -> list[range]:
-    """Positions ``0..n-1`` cut into contiguous groups: ``groups`` of them, or more where one would exceed ``max_batch``."""
+    """Positions ``0..n-1`` in contiguous groups: ``groups`` of them, or more where one would pass ``max_batch``."""
     size = min(max_batch, -(-n // max(1, groups)))  # ceil(n / groups), capped by the cache
     return [range(start, min(start + size, n)) for start in range(0, n, size)]
 

@@ -133,7 +133,8 @@ def _split_block(hf_block: nn.Module, head_dim: int, n_head: int, group: Any) ->
     attn, mlp = hf_block.attn, hf_block.mlp
     c_attn = dense_linear(attn.c_attn)
     rows = qkv_rows(c_attn.in_features, n_head, rank, tp)
-    return ParallelBlock(copy.deepcopy(hf_block.ln_1), ColumnParallelLinear(c_attn.weight[rows], c_attn.bias[rows], group),
+    return ParallelBlock(copy.deepcopy(hf_block.ln_1),
+                         ColumnParallelLinear(c_attn.weight[rows], c_attn.bias[rows], group),
                          RowParallelLinear.from_dense(dense_linear(attn.c_proj), group), copy.deepcopy(hf_block.ln_2),
                          ColumnParallelLinear.from_dense(dense_linear(mlp.c_fc), group),
                          RowParallelLinear.from_dense(dense_linear(mlp.c_proj), group), head_dim)
