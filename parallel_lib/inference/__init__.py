@@ -13,9 +13,10 @@ from parallel_lib.inference.engine import Engine, admit
 from parallel_lib.inference.kv_cache import KVCache, kv_cache_bytes
 from parallel_lib.inference.pipeline import generation_schedule, group_requests, run_pipeline_stage
 from parallel_lib.inference.stage import Stage, attend, block_step, build_stage
-from parallel_lib.inference.strategies import STRATEGIES, RankReport, ServeConfig, ServeRun, check_serve, serve, serve_worker
+from parallel_lib.inference.strategies import (STRATEGIES, RankReport, ServeConfig, ServeRun, check_serve, serve,
+                                              serve_many, serve_worker)
 
 __all__ = ["Request", "Result", "Group", "check_requests", "sample", "Engine", "admit", "KVCache", "kv_cache_bytes",
            "Stage", "attend", "block_step", "build_stage", "generation_schedule", "group_requests",
            "run_pipeline_stage", "STRATEGIES", "ServeConfig", "RankReport", "ServeRun", "check_serve", "serve",
-           "serve_worker"]
+           "serve_many", "serve_worker"]

@@ -100,7 +100,9 @@ class Result:
     """What one request got: its tokens or its error, and when each token came.
 
     Times are seconds on the serving clock; ``events`` are its timeline (lane ``"request i"``,
-    kinds ``prefill`` then ``decode``), read by :func:`parallel_lib.viz.timeline.plot_timeline`.
+    kinds ``prefill`` then ``decode``, ``micro_batch`` the step: 0 for the prefill, t for token t),
+    read by :func:`parallel_lib.viz.timeline.plot_timeline`. ``served_by`` names the rank(s) or
+    device(s) that computed it ("" for a request refused before it ran).
     """
 
     index: int
@@ -143,6 +145,11 @@ class StepInput:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.ids.shape)  # type: ignore[return-value]
+
+    def to(self, device: torch.device) -> StepInput:
+        """The same step with its tensors on ``device`` (each stage reads it where it computes)."""
+        return StepInput(*(t.to(device) for t in (self.ids, self.positions, self.slots, self.mask)), self.upto,
+                         self.last.to(device))
 
 
 class Group:

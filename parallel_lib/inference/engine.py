@@ -64,13 +64,16 @@ class Engine:
         max_len: cache slots per request (default: the model's ``n_positions``).
         n_positions, vocab_size: the model's context and vocabulary.
         dtype: of the caches (the model's).
+        count_collectives: record the collectives of every forward pass in :attr:`collectives`
+            (tensor parallelism: the test that each decoded token costs 2 all-reduces per layer).
 
     Raises:
         ValueError: no stages, or stages that do not start with the embedding and end with the head.
     """
 
     def __init__(self, stages: Sequence[Stage], max_batch: int, n_positions: int, vocab_size: int,
-                 max_len: Optional[int] = None, dtype: torch.dtype = torch.float32) -> None:
+                 max_len: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                 count_collectives: bool = False) -> None:
         self.stages = list(stages)
         if not self.stages or not self.stages[0].first or not self.stages[-1].last:
             raise ValueError("stages must start with the embedding and end with the head (build_stage(first=..., "
@@ -80,9 +83,10 @@ class Engine:
         self.max_len = positive_int("max_len", max_len if max_len is not None else n_positions)
         self.caches: list[KVCache] = [s.new_cache(self.max_batch, self.max_len, dtype) for s in self.stages]
         self.recorder = TimelineRecorder(DeviceClock([s.device for s in self.stages]))
-        self.device_events: list[Event] = []
-        self.count_collectives = False  # set True to record each pass's collectives (tensor parallelism)
-        self.collectives: list[tuple[int, CollectiveCounter]] = []
+        self.device_events: list[Event] = []  # lane = stage, micro_batch = the group's number
+        self.groups: list[list[int]] = []      # the request indices of each group served, in order
+        self.count_collectives = count_collectives
+        self.collectives: list[tuple[int, CollectiveCounter]] = []  # (step, what this rank issued in the pass)
 
     @classmethod
     def single(cls, model: Any, max_batch: int = 8, max_len: Optional[int] = None,
@@ -104,9 +108,7 @@ class Engine:
         for n, key in enumerate(keys):
             stages.append(build_stage(model, device_map[key], resolve_device(key), first=n == 0,
                                       last=n == len(keys) - 1, lane=lane_name(key),
-                                      embed=(stages[0].wte, stages[0].wpe) if stages else None))
-        if len(stages) == 1 and stages[0].last:  # one stage: the head is its own embedding (tied)
-            stages[0].head_weight = stages[0].wte.weight
+                                      embed=(stages[0].wte, stages[0].wpe) if stages else None))  # tied head
         return cls(stages, max_batch, config.n_positions, config.vocab_size, max_len, next(model.parameters()).dtype)
 
     def kv_bytes(self) -> int:
@@ -151,10 +153,11 @@ class Engine:
         admitted, refused = admit(requests, indices, self.vocab_size)
         results = {r.index: r for r in refused}
         arrival = self.recorder.now()
-        for g, start in enumerate(range(0, len(admitted), self.max_batch)):
+        for start in range(0, len(admitted), self.max_batch):
             chosen = admitted[start:start + self.max_batch]
             group = Group([requests[p] for p in chosen], [indices[p] for p in chosen])
-            for result in self.run_group(group, g):
+            self.groups.append(group.indices)
+            for result in self.run_group(group, len(self.groups) - 1):
                 result.arrival, result.served_by = arrival, "+".join(s.lane for s in self.stages)
                 results[result.index] = result
         return [results[i] for i in indices]

@@ -99,7 +99,10 @@ class KVCache:
         return [t for i in self.layers for t in (self.k[i], self.v[i])]
 
     def nbytes(self) -> int:
-        """Bytes of the cache's tensors (storage census): ``2 · layers · heads · head_dim · max_len · batch · itemsize``."""
+        """Bytes of the cache's tensors (storage census).
+
+        Equals ``2 · layers · heads · head_dim · max_len · batch · itemsize`` (:func:`kv_cache_bytes`).
+        """
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def bytes_per_token(self) -> int:

@@ -40,7 +40,7 @@ __all__ = ["generation_schedule", "group_requests", "run_pipeline_stage"]
 
 
 def group_requests(n: int, groups: int, max_batch: int) -> list[range]:
-    """Positions ``0..n-1`` cut into contiguous groups: ``groups`` of them, or more where one would exceed ``max_batch``."""
+    """Positions ``0..n-1`` in contiguous groups: ``groups`` of them, or more where one would pass ``max_batch``."""
     size = min(max_batch, -(-n // max(1, groups)))  # ceil(n / groups), capped by the cache
     return [range(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -55,12 +55,14 @@ def generation_schedule(steps: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def run_pipeline_stage(stage: Stage, requests: Sequence[Request], rank: int, world_size: int, groups: int,
-                       max_batch: int, vocab_size: int, timeout: float) -> tuple[list[Result], list[Event], int]:
+                       max_batch: int, vocab_size: int,
+                       timeout: float) -> tuple[list[Result], list[Event], int, list[list[int]]]:
     """Rank ``rank``'s part of a pipelined generation (every rank calls it with the same requests).
 
     Returns:
-        ``(results, events, kv_bytes)``: the requests' results on the last stage (empty elsewhere),
-        this stage's events (lane = the stage, micro-batch = the group), its KV caches' bytes.
+        ``(results, events, kv_bytes, groups)``: the requests' results on the last stage (empty
+        elsewhere), this stage's events (lane = the stage, micro-batch = the group), its KV caches'
+        bytes (one cache per group in flight), and each group's request indices.
     """
     first, last = rank == 0, rank == world_size - 1
     indices = list(range(len(requests)))
@@ -76,12 +78,15 @@ def run_pipeline_stage(stage: Stage, requests: Sequence[Request], rank: int, wor
     pending: list[tuple[Any, str, torch.Tensor]] = []
     for step, g in generation_schedule([group.steps for group in plan]):
         group = plan[g]
-        inputs = group.prefill() if step == 0 else group.decode(step, tokens.get(g, torch.zeros(len(group),
-                                                                                                   dtype=torch.long)))
+        if step == 0:
+            inputs = group.prefill()
+        else:
+            if first and not last:  # the tokens of the step before, from the last stage
+                tokens[g] = _receive((len(group),), torch.long, world_size - 1, stage, timeout,
+                                     f"tokens of group {g} step {step - 1}")
+            # later stages need the step's slots and mask, not its token ids
+            inputs = group.decode(step, tokens.get(g, torch.zeros(len(group), dtype=torch.long)))
         b, s = inputs.shape
-        if first and step > 0 and not last:  # the tokens of the step before, from the last stage
-            tokens[g] = _receive((b,), torch.long, world_size - 1, stage, timeout, f"tokens of group {g} step {step - 1}")
-            inputs = group.decode(step, tokens[g])
         x = inputs.ids if first else _receive((b, s, stage.width), torch.float32, rank - 1, stage, timeout,
                                                 f"hidden state of group {g} step {step}")
         start = recorder.now()
@@ -97,8 +102,8 @@ def run_pipeline_stage(stage: Stage, requests: Sequence[Request], rank: int, wor
         wait_for(work, timeout, what)
     results = sorted(refused + [r for group in plan for r in group.results], key=lambda r: r.index) if last else []
     for r in results:
-        r.served_by = "pipeline"
-    return results, events, sum(c.nbytes() for c in caches)
+        r.served_by = f"stages 0..{world_size - 1}" if r.ok or r.tokens else r.served_by
+    return results, events, sum(c.nbytes() for c in caches), [group.indices for group in plan]
 
 
 def _send(tensor: torch.Tensor, dst: int, what: str) -> tuple[Any, str, torch.Tensor]:

@@ -72,13 +72,16 @@ class Stage(nn.Module):
         heads: attention heads each block holds (``n_head / tp`` when split).
         device: where the stage computes.
         embed: ``(wte, wpe)`` on the first stage, else None.
-        head: ``(ln_f, weight)`` on the last stage (``weight`` is the tied embedding), else None.
+        head: ``(ln_f, weight)`` on the last stage (``weight``: its own copy of the embedding, or None
+            with ``tied_to``), else None.
         lane: the name of this stage's lane in timelines (a device or a rank).
+        tied_to: the first stage's token embedding, whose weight the head uses (one process).
     """
 
     def __init__(self, blocks: dict[int, ParallelBlock], heads: int, device: torch.device,
                  embed: Optional[tuple[nn.Embedding, nn.Embedding]] = None,
-                 head: Optional[tuple[nn.LayerNorm, nn.Parameter]] = None, lane: str = "") -> None:
+                 head: Optional[tuple[nn.LayerNorm, Optional[nn.Parameter]]] = None, lane: str = "",
+                 tied_to: Optional[nn.Embedding] = None) -> None:
         super().__init__()
         self.layers = list(blocks)
         self.blocks = nn.ModuleList(blocks.values())
@@ -86,7 +89,9 @@ class Stage(nn.Module):
         self.head_dim = self.blocks[0].head_dim if len(self.blocks) else 0
         self.width = self.blocks[0].ln_1.normalized_shape[0] if len(self.blocks) else 0  # n_embd
         self.wte, self.wpe = embed if embed is not None else (None, None)
-        self.ln_f, self.head_weight = head if head is not None else (None, None)
+        self.ln_f, self._head_weight = head if head is not None else (None, None)
+        # another stage's embedding, kept outside the module's parameters: its bytes are that stage's
+        self.__dict__["_tied_to"] = tied_to
 
     @property
     def first(self) -> bool:
@@ -103,18 +108,23 @@ class Stage(nn.Module):
     @torch.no_grad()
     def forward(self, step: StepInput, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states, or logits (b, V) on the last stage, out."""
-        x = x.to(self.device)
+        x, step = x.to(self.device), step.to(self.device)
         if self.first:
-            x = self.wte(x) + self.wpe(step.positions.to(self.device))      # (b, s, n_embd)
-        slots, mask = step.slots.to(self.device), step.mask.to(self.device)
-        local = StepInput(step.ids, step.positions, slots, mask, step.upto, step.last)
+            x = self.wte(x) + self.wpe(step.positions)                      # (b, s, n_embd)
         for layer, block in zip(self.layers, self.blocks):
-            x = block_step(block, x, local, cache, layer)
+            x = block_step(block, x, step, cache, layer)
         if not self.last:
             return x
         rows = torch.arange(x.shape[0], device=x.device)
-        x = self.ln_f(x[rows, step.last.to(x.device)])                     # (b, n_embd): the query each row keeps
-        return F.linear(x.to(self.head_weight.device), self.head_weight)     # (b, V)
+        x = self.ln_f(x[rows, step.last])                                   # (b, n_embd): the query each row keeps
+        weight = self.head_weight
+        return F.linear(x.to(weight.device), weight)                        # (b, V)
+
+    @property
+    def head_weight(self) -> Optional[torch.Tensor]:
+        """The head's weight: this stage's own, or the first stage's embedding it is tied to (one process)."""
+        tied = self.__dict__.get("_tied_to")
+        return tied.weight if tied is not None else self._head_weight
 
 
 def _split_block(hf_block: nn.Module, head_dim: int, n_head: int, group: Any) -> ParallelBlock:
@@ -123,7 +133,8 @@ def _split_block(hf_block: nn.Module, head_dim: int, n_head: int, group: Any) ->
     attn, mlp = hf_block.attn, hf_block.mlp
     c_attn = dense_linear(attn.c_attn)
     rows = qkv_rows(c_attn.in_features, n_head, rank, tp)
-    return ParallelBlock(copy.deepcopy(hf_block.ln_1), ColumnParallelLinear(c_attn.weight[rows], c_attn.bias[rows], group),
+    return ParallelBlock(copy.deepcopy(hf_block.ln_1),
+                         ColumnParallelLinear(c_attn.weight[rows], c_attn.bias[rows], group),
                          RowParallelLinear.from_dense(dense_linear(attn.c_proj), group), copy.deepcopy(hf_block.ln_2),
                          ColumnParallelLinear.from_dense(dense_linear(mlp.c_fc), group),
                          RowParallelLinear.from_dense(dense_linear(mlp.c_proj), group), head_dim)
@@ -163,11 +174,16 @@ def build_stage(model: nn.Module, layers: Sequence[int], device: torch.device, f
     else:
         blocks = {i: _dense_block(t.h[i], head_dim) for i in layers}
     own_embed = (copy.deepcopy(t.wte).to(device), copy.deepcopy(t.wpe).to(device)) if first else None
-    head = None
+    head, tied_to = None, None
     if last:
-        tied = (own_embed or embed or (copy.deepcopy(t.wte).to(device),))[0].weight
-        head = (copy.deepcopy(t.ln_f).to(device), tied)
-    stage = Stage(blocks, heads, device, own_embed, head, lane)
+        if own_embed is not None:
+            weight = own_embed[0].weight  # tied, as in the Hugging Face model
+        elif embed is not None:
+            weight, tied_to = None, embed[0]
+        else:
+            weight = nn.Parameter(t.wte.weight.detach().clone().to(device))
+        head = (copy.deepcopy(t.ln_f).to(device), weight)
+    stage = Stage(blocks, heads, device, own_embed, head, lane, tied_to)
     for block in stage.blocks:
         block.to(device)
     return stage.eval()
