@@ -47,8 +47,8 @@ def test_table_from_known_runs():
 def test_quick_run_measures_every_strategy_and_its_census(capsys):
     results = measure(QUICK)
     model = QUICK.serve_config().config()
-    slots = QUICK.serve_config().max_batch * model.n_positions
-    for n in QUICK.concurrency:
+    for n in QUICK.concurrency:  # caches sized to the work: a row per request, prompt + new tokens - 1 slots
+        slots = min(n, QUICK.serve_config().max_batch) * (QUICK.prompt + QUICK.new_tokens - 1)
         run = {s: results.runs[(s, 1 if s == "single" else 2, n)] for s in ("single", "dp", "mp", "pp", "tp")}
         assert run["single"].kv_per_device == kv_cache_bytes(model, slots, "fp32")
         assert run["tp"].kv_per_device == kv_cache_bytes(model, slots, "fp32", tp=2)

@@ -68,7 +68,7 @@ def make_requests(n: int, prompt: int, new_tokens: int, vocab_size: int, seed: i
 
 def serve_jobs(rank: int, world_size: int, jobs: Sequence[Job], timeout: float, fit: bool = False,
                speed: bool = False) -> tuple[list[Any], Optional[tuple[float, float]], Optional[MachineSpeed]]:
-    """Every job in turn on this rank; ``(per job (results, reports), all-reduce fit, machine speed)``.
+    """Every job in turn on this rank; ``(per job (results, reports, seconds), all-reduce fit, machine speed)``.
 
     Every dp, pp or tp job must use all the launch's ranks; single and mp run on rank 0.
     """
@@ -82,14 +82,15 @@ def serve_jobs(rank: int, world_size: int, jobs: Sequence[Job], timeout: float, 
         dist.barrier()
         if job.strategy in IN_PROCESS:  # in this process, on rank 0; the others wait at the next barrier
             out.append(serve_worker(0, 1, job.strategy, list(job.requests), job.config, job.world_size, timeout)
-                       if rank == 0 else ([], []))
+                       if rank == 0 else ([], [], 0.0))
         else:
             out.append(serve_worker(rank, world_size, job.strategy, list(job.requests), job.config, world_size, timeout))
     return out, fitted, machine
 
 
 def collect(jobs: Sequence[Job], per_rank: Sequence[Sequence[Any]]) -> list[ServeRun]:
-    """One :class:`ServeRun` per job from every rank's ``(results, reports)``, results in request order."""
+    """One :class:`ServeRun` per job from every rank's ``(results, reports, seconds)``, results in request order;
+    its seconds are the slowest rank's serving time (``serve_worker`` times between barriers)."""
     runs = []
     for j, job in enumerate(jobs):
         merged = {r.index: r for outputs in per_rank for r in outputs[j][0]}
@@ -97,7 +98,7 @@ def collect(jobs: Sequence[Job], per_rank: Sequence[Sequence[Any]]) -> list[Serv
         if missing:
             raise RuntimeError(f"{job.strategy} on {job.world_size}: no rank returned requests {missing}")
         results = [merged[i] for i in range(len(job.requests))]
-        seconds = max(r.token_times[-1] - r.arrival for r in results if r.token_times)
+        seconds = max(outputs[j][2] for outputs in per_rank)
         runs.append(ServeRun(job.strategy, job.world_size, results,
                              [report for outputs in per_rank for report in outputs[j][1]], seconds))
     return runs
