@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -84,7 +83,8 @@ def serve_jobs(rank: int, world_size: int, jobs: Sequence[Job], timeout: float, 
             out.append(serve_worker(0, 1, job.strategy, list(job.requests), job.config, job.world_size, timeout)
                        if rank == 0 else ([], [], 0.0))
         else:
-            out.append(serve_worker(rank, world_size, job.strategy, list(job.requests), job.config, world_size, timeout))
+            out.append(serve_worker(rank, world_size, job.strategy, list(job.requests), job.config, world_size,
+                                    timeout))
     return out, fitted, machine
 
 

@@ -96,7 +96,7 @@ def _jobs(c: Config, world: int) -> list[tuple[tuple, Job]]:
 
 
 def measure(config: Config = Config()) -> Results:
-    """One launch per world size running every job ``repeats`` times (after one warm-up job); see the module docstring."""
+    """One launch per world size running every job ``repeats`` times (after a warm-up job); see the module docstring."""
     c = config
     best: dict[tuple, Measured] = {}
     fitted, speed = None, None
@@ -151,7 +151,8 @@ def markdown(results: Results) -> str:
     for key in sorted(results.runs, key=lambda k: (k[0] != "single", k[0], k[1], k[2])):
         m, p = results.runs[key], pred[key]
         rows.append([key[0], key[1], key[2], f"{m.ttft * 1e3:.2f} ({p.ttft * 1e3:.2f})",
-                     f"{m.tpot * 1e3:.2f} ({p.tpot * 1e3:.2f})", f"{m.tokens_per_second:,.0f} ({p.tokens_per_second:,.0f})",
+                     f"{m.tpot * 1e3:.2f} ({p.tpot * 1e3:.2f})",
+                     f"{m.tokens_per_second:,.0f} ({p.tokens_per_second:,.0f})",
                      f"{m.weights_per_device / 1e3:,.0f}", f"{m.kv_per_device / 1e3:,.0f}"])
     out = [f"Serving GPT-2 {c.model!r} (vocabulary {c.vocab_size}) on {results.machine}: prompts of {c.prompt} "
            f"tokens, {c.new_tokens} new tokens each, greedy, one thread per rank, median of {c.repeats}; "

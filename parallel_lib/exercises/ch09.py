@@ -66,7 +66,8 @@ def check_largest_batch(fn: Any) -> CheckResult:
         expected = _largest(*args)
         if isinstance(got, int) and got == budget // (layers * max(kv_heads // tp, 1) * d * width * s):
             return "a layer caches a key AND a value vector per KV head and token: a factor 2"
-        if isinstance(got, int) and kv_heads != heads and got == _largest(budget, layers, heads, heads, d, s, width, tp):
+        as_if_all_heads = _largest(budget, layers, heads, heads, d, s, width, tp)
+        if isinstance(got, int) and kv_heads != heads and got == as_if_all_heads:
             return "grouped-query attention caches kv_heads heads, not n_heads: the query heads share them"
         if isinstance(got, int) and tp > 1 and got == _largest(budget, layers, heads, kv_heads, d, s, width, 1):
             return "each tensor-parallel rank keeps only its own KV heads"

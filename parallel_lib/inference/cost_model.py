@@ -141,7 +141,7 @@ def forward_bytes(model: Any, batch: int, context: float, dtype: str = "fp32") -
 
 
 def step_seconds(hw: Hardware, flops: float, nbytes: float, layers: float) -> float:
-    """Roofline time of a forward on one device: ``max(FLOPs/rate, bytes/bandwidth)`` plus the overhead of ``layers``."""
+    """Roofline time of a forward on one device: ``max(FLOPs/rate, bytes/bandwidth)`` plus ``layers``' overhead."""
     return max(flops / hw.flops_per_second, nbytes / hw.bytes_per_second) + layers * hw.overhead
 
 

@@ -70,9 +70,9 @@ def kv_heads_per_rank(model: Any, tp: int) -> int:
     """
     s, tp = as_shape(model), positive_int("tp", tp)
     if s.n_heads % tp or (s.kv_heads % tp and tp % s.kv_heads):
+        good = [t for t in range(1, s.n_heads + 1) if not s.n_heads % t and not (s.kv_heads % t and t % s.kv_heads)]
         raise ValueError(f"tp={tp} must divide n_heads={s.n_heads} and divide or be a multiple of "
-                         f"kv_heads={s.kv_heads}; choose tp among "
-                         f"{[t for t in range(1, s.n_heads + 1) if not s.n_heads % t and not (s.kv_heads % t and t % s.kv_heads)]}")
+                         f"kv_heads={s.kv_heads}; choose tp among {good}")
     return max(s.kv_heads // tp, 1)
 
 
@@ -177,7 +177,7 @@ class ServingMemory:
 
 
 def serving_memory(model: Any, strategy: str = "single", n_devices: int = 1, dtype: str = "fp16") -> ServingMemory:
-    """Weights and KV cache per device of ``model`` served by ``strategy`` on ``n_devices`` (see the module docstring)."""
+    """Weights and KV cache per device of ``model`` served by ``strategy`` on ``n_devices`` (module docstring)."""
     s = as_shape(model)
     weights = weights_per_device(s, strategy, n_devices, dtype)
     if strategy == "tp":

@@ -43,8 +43,8 @@ def plot_request_timelines(runs: Mapping[str, Any], unit: str = "ms") -> Figure:
     return fig
 
 
-def plot_latency_throughput(points: Sequence[Mapping[str, Any]], predicted: Optional[Sequence[Mapping[str, Any]]] = None,
-                            title: str = "") -> Figure:
+def plot_latency_throughput(points: Sequence[Mapping[str, Any]],
+                            predicted: Optional[Sequence[Mapping[str, Any]]] = None, title: str = "") -> Figure:
     """Time per output token against aggregate tokens/s, one dot per (strategy, ranks, concurrency).
 
     ``points`` are dicts with ``strategy``, ``ranks``, ``concurrency``, ``tpot`` (s) and ``tokens_per_second``;
@@ -128,7 +128,8 @@ def calculator_figure(model: str = "llama-2-7b", gpu: str = "A100 80GB (publishe
     labels = [f"{name}\n×{n}" for name, n in options]
     ax.axhline(hw.memory_bytes / GiB, color="red", ls="--", lw=1, label=f"{hw.name}: {hw.memory_bytes / GiB:.0f} GiB")
     ax.set_xticks(range(len(options)), labels)
-    ax.set(ylabel="GiB on the fullest device", title=f"{model}, fp16, {concurrency} requests × {prompt + new_tokens} tokens")
+    ax.set(ylabel="GiB on the fullest device",
+           title=f"{model}, fp16, {concurrency} requests × {prompt + new_tokens} tokens")
     ax.legend(fontsize=8)
     ax2.set_xticks(range(len(options)), labels)
     ax2.set(ylabel="ms per output token (solid)", title=f"cost model on {gpu}")
@@ -138,7 +139,7 @@ def calculator_figure(model: str = "llama-2-7b", gpu: str = "A100 80GB (publishe
 
 
 def serving_calculator() -> Any:
-    """An ipywidgets panel: model, GPU (published figures), strategy, devices, concurrency -> memory, latency, throughput."""
+    """An ipywidgets panel: model, GPU (published figures), strategy, devices, requests -> memory, time, throughput."""
     import ipywidgets as widgets
     from IPython.display import display
 
