@@ -1,8 +1,8 @@
 """What each rank of chapter 09's measurements runs: many serving jobs in ONE launch.
 
-Starting gloo ranks costs seconds (a fresh Python importing torch and transformers per rank), far
-more than serving a few requests with the tiny GPT-2. So the notebook and the benchmark launch
-their ranks once and run every job in them, one after another: each job is one call of
+Starting gloo ranks and joining them into a group costs more than serving a few requests with the
+tiny GPT-2. So the notebook and the benchmark launch their ranks once and run every job in them,
+one after another: each job is one call of
 :func:`~parallel_lib.inference.strategies.serve_worker`, the function :func:`~parallel_lib.inference.serve`
 launches, so what is measured is exactly what ``serve`` runs. ``single`` and ``mp`` (in-process
 strategies) run on rank 0 while the others wait, with the same single thread as every rank.
