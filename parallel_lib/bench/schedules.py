@@ -1,6 +1,6 @@
 """Pipeline schedules benchmark (chapter 08): ``python -m parallel_lib.bench schedules [--quick]``.
 
-For GPipe, 1F1B, interleaved 1F1B (v=2), ZB-H1, ZB-H2 and ZBV, at m = 4, 8, 16:
+For GPipe, 1F1B, interleaved 1F1B (v=2), ZB-H1, ZB-H2, ZB-V and DualPipeV, at m = 4, 8, 16:
 
 - p = 2, threads: :class:`~parallel_lib.pipeline_parallel.Pipe` runs a training step of an MLP
   (8 blocks of Linear + Tanh, so interleaving has 4 stages to place). Printed: step time, the
@@ -37,7 +37,7 @@ from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "NAMES", "formula", "run", "main"]
 
-NAMES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv"]
+NAMES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ def formula(name: str, p: int, m: int) -> Optional[float]:
     """The closed-form bubble with equal costs (None where there is no simple one)."""
     return {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved": (p - 1) / (2 * m),
             "zb-h1": (p - 1) / (3 * m) if m >= p else None,
-            "zb-h2": 0.0 if m >= 2 * p - 1 else None}.get(name)
+            "zb-h2": 0.0 if m >= 2 * p - 1 else None, "zbv": 0.0 if m >= 2 * p - 1 else None,
+            "dualpipev": (p - 1) / (6 * m) if m >= 2 * p else None}.get(name)
 
 
 def _model(config: Config) -> nn.Sequential:
@@ -73,7 +74,7 @@ def _pct(x: Optional[float]) -> str:
 def process_times(config: Config) -> dict[tuple[str, int], float]:
     """Median step seconds over gloo processes, p = 2, for every (schedule, m)."""
     runs = [ProcessConfig(schedule=name, micro_batches=m, width=config.width, blocks=config.blocks, rows=config.batch,
-                          timeout=120.0, deferred_sends=name in ("interleaved", "zbv"))
+                          timeout=120.0, deferred_sends=name in ("interleaved", "zbv", "dualpipev"))
             for m in config.micro_batches for name in config.names] * (config.repeats + 1)
     results = launch(run_pipeline_ranks, 2, runs, backend="gloo", timeout=1800.0)
     times: dict[tuple[str, int], list[float]] = {}
@@ -117,8 +118,8 @@ def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
 
 def _p4_row(name: str, m: int, costs: list, blocks: int) -> list[object]:
     """p = 4 from the p = 2 costs: the mean cost of one layer block, times the blocks of each p=4 stage."""
-    if name == "interleaved" and m % 4:
-        return [name, m, "–", "m not a multiple of 4", _pct(formula(name, 4, m)), "–"]
+    if name == "interleaved" and m % 4 or name == "dualpipev" and m < 8:
+        return [name, m, "–", "m not a multiple of 4" if name == "interleaved" else "m < 2p", _pct(formula(name, 4, m)), "–"]
     schedule = make_schedule(name, 4, m)
     per_block = [sum(c[k] for c in costs) / blocks for k in range(len(costs[0]))]
     per_stage = tuple(x * blocks / schedule.num_model_stages for x in per_block)
