@@ -197,7 +197,16 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("tp_layer_steps", "ch07", False, _tp_layer_steps),
     FigureSpec("tp_step_times", "ch07", True, _tp_step_times),
     FigureSpec("pipeline_schedules_ch08", "ch08", False, _schedule_zoo),
+    FigureSpec("pipeline_v_schedules_ch08", "ch08", False, lambda: _v_schedules()),
 ]
+
+
+def _v_schedules() -> Figure:
+    """Chapter 08's V shapes, ZB-V beside DualPipeV (the animation's two V schedules), p = 4, m = 8."""
+    from parallel_lib.pipeline_parallel import make_schedule
+    from parallel_lib.viz.schedule import render_schedules
+    return render_schedules([make_schedule(name, 4, 8) for name in ("zbv", "dualpipev")], (1.0, 1.0, 1.0),
+                            title="F = B = W = 1")
 
 
 def select(only: Optional[Sequence[str]] = None, static: bool = False) -> list[FigureSpec]:
