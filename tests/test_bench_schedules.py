@@ -15,6 +15,7 @@ def test_quick_schedules_benchmark_prints_every_schedule(capsys):
     for name in bench.NAMES:
         assert f"| {name} | 4 | " in out
     assert "p = 4, simulated from the measured costs:" in out
+    assert "Split backward (ZB-H1's B + W, summed over stages) against 1F1B's whole backward, same run: m=4: " in out
 
 
 def test_formula_column_is_the_closed_form():

@@ -20,7 +20,9 @@ from parallel_lib.pipeline_parallel import (
     stages_per_rank,
     validate_schedule,
 )
+from parallel_lib.common.timeline import Event
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight
+from parallel_lib.pipeline_parallel.timeline_stats import dispatch_overheads
 
 NEW = ["interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 PS = range(1, 9)
@@ -155,3 +157,19 @@ def test_actions_name_their_stage_and_reject_unknown_kinds():
     assert str(Action("W", 3, 5)) == "W3s5"
     with pytest.raises(ValueError, match="kind must be 'F', 'B' or 'W'"):
         Action("X", 0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "dualpipev"])
+def test_dispatch_overheads_read_back_the_simulators_communication_time(name):
+    schedule = make_schedule(name, 4, 8)
+    assert dispatch_overheads(simulate(schedule, (1.0, 2.0, 1.0), comm=0.25), schedule) == (0.0, 0.25)
+
+
+def test_dispatch_overheads_of_a_measured_timeline():
+    lane0, lane1 = "stage 0", "stage 1"
+    events = [Event(lane0, "forward", 0, 0.0, 1.0), Event(lane0, "forward", 1, 1.1, 2.1),  # a gap of 0.1
+              Event(lane1, "forward", 0, 1.5, 2.5), Event(lane1, "backward", 0, 2.8, 3.8),  # the loss's B: 0.3
+              Event(lane1, "forward", 1, 3.8, 4.8),  # F1 arrived while rank 1 was busy: not counted
+              Event(lane0, "backward", 0, 4.2, 5.2),  # waited 0.4 for rank 1's B0
+              Event(lane1, "backward", 1, 4.8, 5.8), Event(lane0, "backward", 1, 6.4, 7.4)]  # waited 0.6
+    assert dispatch_overheads(events, make_schedule("1f1b", 2, 2)) == pytest.approx((0.1, 0.5))
