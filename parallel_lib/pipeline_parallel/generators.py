@@ -23,7 +23,7 @@ schedule may hold decides how much idle time W can fill:
   sail-sg/zero-bubble-pipeline-parallelism, T_F = T_B = T_W): bubble 1F1B (p-1)/m, ZB-H1 (p-1)/(3m),
   ZB-H2 0, ZB-V 0; activation memory 1x, 1x, 2x, 1x of 1F1B; pipeline communication 1x, 1x, 1x, 2x.
 
-DualPipeV, the other V schedule, is in :mod:`parallel_lib.pipeline_parallel.dualpipev`.
+DualPipeV, the other V schedule, is in :mod:`parallel_lib.pipeline_parallel.dualpipe`.
 """
 
 from __future__ import annotations
@@ -253,4 +253,4 @@ register_schedule("zb-h1", zb_h1)
 register_schedule("zb-h2", zb_h2)
 register_schedule("zbv", zbv, virtual=2)
 
-from parallel_lib.pipeline_parallel import dualpipev as _dualpipev  # noqa: E402,F401  (registers "dualpipev")
+from parallel_lib.pipeline_parallel import dualpipe as _dualpipe  # noqa: E402,F401  (registers "dualpipev")
