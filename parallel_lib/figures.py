@@ -209,6 +209,14 @@ def _inference_timelines() -> Figure:
                                    for run in runs})
 
 
+def _v_schedules() -> Figure:
+    """Chapter 08's V shapes, ZB-V beside DualPipeV (the animation's two V schedules), p = 4, m = 8."""
+    from parallel_lib.pipeline_parallel import make_schedule
+    from parallel_lib.viz.schedule import render_schedules
+    return render_schedules([make_schedule(name, 4, 8) for name in ("zbv", "dualpipev")], (1.0, 1.0, 1.0),
+                            title="F = B = W = 1")
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -232,16 +240,8 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("inference_calculator", "ch09", False, _inference_calculator),
     FigureSpec("inference_roofline", "ch09", False, _inference_roofline),
     FigureSpec("inference_timelines", "ch09", True, _inference_timelines),
-    FigureSpec("pipeline_v_schedules_ch08", "ch08", False, lambda: _v_schedules()),
+    FigureSpec("pipeline_v_schedules_ch08", "ch08", False, _v_schedules),
 ]
-
-
-def _v_schedules() -> Figure:
-    """Chapter 08's V shapes, ZB-V beside DualPipeV (the animation's two V schedules), p = 4, m = 8."""
-    from parallel_lib.pipeline_parallel import make_schedule
-    from parallel_lib.viz.schedule import render_schedules
-    return render_schedules([make_schedule(name, 4, 8) for name in ("zbv", "dualpipev")], (1.0, 1.0, 1.0),
-                            title="F = B = W = 1")
 
 
 def select(only: Optional[Sequence[str]] = None, static: bool = False) -> list[FigureSpec]:
