@@ -30,7 +30,7 @@ _CHECKERS = {
     "check_rank_slice": "ch00", "check_all_reduce_prediction": "ch00",
     "check_partition_indices": "ch01", "check_local_batch_size": "ch01", "check_steps_per_epoch": "ch01",
     "check_wrong_dp_loop": "ch01",
-    "check_average_gradients": "ch02", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
+    "check_average_token_gradients": "ch02", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
     "check_bucketed_allreduce": "ch02_overlap",
     "check_balanced_device_map": "ch03", "check_device_map_under_limit": "ch03", "check_training_bytes": "ch03",
     "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",

@@ -292,6 +292,6 @@ EXERCISES = [
     Exercise("wrong_dp_loop", check_wrong_dp_loop, WRONG_LOOP_STUB, solution("WRONG_DP_LOOP"),
              "Spot the wrong loop. Each rank runs one of these on its own part of the global batch:\n\n"
              + "\n".join(f"- **{k}**: `{v}`" for k, v in _LOOPS.items())
-             + "\n\nOnly one of them leaves the parameters of one process trained on the whole batch. Which, and "
-             "why? The checker runs all three before it compares."),
+             + "\n\nTwo of them leave every rank with the parameters of one process trained on the whole batch; "
+             "one does not. Which, and why? The checker runs all three before it compares."),
 ]
