@@ -206,6 +206,14 @@ WRONG = [
         def pipeline_bubble(p, m):
             return (p - 1) / m
      """, ["pipeline_bubble(4, 8)", "expected 0.272727, got 0.375", "approximation for m >> p"]),
+    ("gpipe_step_time", """
+        def gpipe_step_time(p, m, forward, backward, comm):   # the bubble picture, hand-overs left out
+            return (m + p - 1) * (forward + backward)
+     """, ["gpipe_step_time(4, 6, 1.0, 2.0, 0.25)", "expected 28.5, got 27", "how many of them lie on the path"]),
+    ("gpipe_step_time", """
+        def gpipe_step_time(p, m, forward, backward, comm):   # a hand-over in every slot
+            return (m + p - 1) * (forward + backward + 2 * comm)
+     """, ["gpipe_step_time(4, 6, 1.0, 2.0, 0.25)", "does not hold its stage"]),
     ("one_f_one_b_order", """
         def one_f_one_b_order(stage, num_stages, num_micro_batches):
             return ([f"F{i}" for i in range(num_micro_batches)]
@@ -445,7 +453,7 @@ def _in_float32(reference):
     return answer
 
 
-@pytest.mark.parametrize("name", ["ring_bytes_sent", "training_bytes", "pipeline_bubble", "bytes_per_device"])
+@pytest.mark.parametrize("name", ["ring_bytes_sent", "training_bytes", "gpipe_step_time", "bytes_per_device"])
 def test_float32_answers_are_accepted(name):
     item = exercise(name)
     result = item.check(_in_float32(item.solution))

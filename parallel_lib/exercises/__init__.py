@@ -33,7 +33,7 @@ _CHECKERS = {
     "check_average_token_gradients": "ch02", "check_ring_bytes_sent": "ch02", "check_ring_send_chunk": "ch02",
     "check_bucketed_allreduce": "ch02_overlap",
     "check_balanced_device_map": "ch03", "check_device_map_under_limit": "ch03", "check_training_bytes": "ch03",
-    "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_one_f_one_b_order": "ch04",
+    "check_clock_cycles": "ch04", "check_pipeline_bubble": "ch04", "check_gpipe_step_time": "ch04", "check_one_f_one_b_order": "ch04",
     "check_micro_batches_for_bubble": "ch04",
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
     "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",

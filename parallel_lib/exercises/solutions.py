@@ -21,7 +21,7 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
            "average_token_gradients", "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk",
            "balanced_device_map", "device_map_under_limit", "training_bytes",
-           "_clock_cycles", "pipeline_bubble", "one_f_one_b_order", "micro_batches_for_bubble",
+           "_clock_cycles", "pipeline_bubble", "gpipe_step_time", "one_f_one_b_order", "micro_batches_for_bubble",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
 
 
@@ -180,6 +180,14 @@ def _clock_cycles(num_batches: int, num_partitions: int):
 def pipeline_bubble(p: int, m: int) -> float:
     # a step lasts m + p - 1 slots; each stage works m of them
     return (p - 1) / (m + p - 1)
+
+
+def gpipe_step_time(p: int, m: int, forward: float, backward: float, comm: float) -> float:
+    # without hand-overs: m + p - 1 slots of forward + backward. A hand-over never holds a stage, so
+    # only those on the critical path count: micro-batch 0 crossing the p - 1 boundaries on the way
+    # down (the last stage's forwards then follow back to back), and the last micro-batch's
+    # gradient crossing them on the way back up
+    return (m + p - 1) * (forward + backward) + 2 * (p - 1) * comm
 
 
 def micro_batches_for_bubble(p: int, target: float, stage_costs) -> int:
