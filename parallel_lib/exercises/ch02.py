@@ -1,13 +1,11 @@
 """Exercises for chapter 02: averaging gradients over real ranks, and the ring all-reduce's steps.
 
-``check_average_token_gradients`` runs the student's function where it matters: in
-``_WORLD`` real gloo ranks started by ``parallel_lib.runtime.launcher``, each holding the
-gradient of the *mean* loss over its own, unequal number of tokens (see ``_shipping`` for
-how a notebook function gets there). Chapter 01 prints the article's ``average_gradients``,
-a plain mean over ranks; this exercise asks for the step it leaves out, weighing each rank
-by its tokens, so it cannot be copied from there. Before paying for the spawn, the checker
-calls the function once in this process, in a one-rank group, so that a crash is reported
-at once and with its own traceback line.
+``check_average_token_gradients`` runs the student's function in ``_WORLD`` real gloo ranks,
+each holding the gradient of the *mean* loss over its own, unequal number of tokens (``_shipping``
+says how a notebook function gets there). Chapter 01 prints the article's plain mean over ranks;
+this asks for the step it leaves out, weighing each rank by its tokens. Before paying for the
+spawn, the checker calls the function once in a one-rank group here, so that a crash is
+reported at once and with its own traceback line.
 """
 
 from __future__ import annotations
