@@ -19,8 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 
 __all__ = ["Event", "TimelineRecorder", "Stamp", "synchronize_devices", "DeviceClock", "lanes", "makespan", "busy_time",
-           "max_concurrency",
-           "idle_fraction"]
+           "max_concurrency", "idle_fraction"]
 
 KINDS = ("forward", "backward", "comm", "prefill", "decode")  # the last two: serving (ch. 09)
 
