@@ -175,8 +175,11 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-10:]
-    assert summary[:2] == ["| check | chapter | status | seconds |", "|---|---|---|---:|"]
+    summary = captured.out.splitlines()[-12:-2]
+    assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
+    total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
+    seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
+    assert total == f"total wall time of the checks: {sum(seconds):.1f} s on 2 GPUs"
     assert [line.split(" | ")[:3] for line in summary[2:]] == [
         ["| dp", "01_data_parallel", "passed"], ["| allreduce", "02_all_reduce", "passed"],
         ["| model_parallel", "03_model_parallel", "passed"], ["| pipeline", "04_pipeline_parallel", "FAILED"],
