@@ -26,7 +26,7 @@ from typing import Any
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, shard_parameters
 
-__all__ = ["stage_parameters", "expected_traffic", "wire_bytes", "state_bytes", "group_sizes", "FLOAT"]
+__all__ = ["stage_parameters", "expected_traffic", "wire_bytes", "stage_tensors", "state_bytes", "group_sizes", "FLOAT"]
 
 FLOAT = 4  # bytes per element: the runs train in float32
 Traffic = dict[str, dict[str, tuple[int, int]]]  # group kind -> {collective: (calls, message bytes)}
@@ -100,12 +100,21 @@ def wire_bytes(traffic: dict[str, tuple[int, int]], group_size: int) -> float:
     return sum(ring_wire_bytes(kind, nbytes, group_size) for kind, (_, nbytes) in traffic.items())
 
 
-def state_bytes(parameters: int, optimizer: str) -> int:
-    """Parameters + gradients + optimizer states in float32: AdamW keeps two states per value, SGD none."""
+def stage_tensors(blocks: int, first: bool, last: bool, pp: int) -> int:
+    """Parameter tensors of a stage: 12 per block, wte and wpe first, ln_f (and the head's copy) last."""
+    return 12 * blocks + 2 * first + (2 + (pp > 1)) * last
+
+
+def state_bytes(parameters: int, optimizer: str, tensors: int = 0) -> int:
+    """Parameters + gradients + optimizer states in float32: AdamW keeps two states per value, SGD none.
+
+    torch's AdamW also keeps its step count as a one-value float32 tensor per parameter tensor:
+    ``tensors`` of them add 4 bytes each (0.04 % of tiny GPT-2's states; pass 0 to leave them out).
+    """
     states = {"adamw": 2, "sgd": 0}
     if optimizer not in states:
         raise ValueError(f"optimizer must be one of {sorted(states)}, got optimizer={optimizer!r}")
-    return parameters * FLOAT * (2 + states[optimizer])
+    return parameters * FLOAT * (2 + states[optimizer]) + (FLOAT * tensors if optimizer == "adamw" else 0)
 
 
 def group_sizes(grid: Any) -> dict[str, int]:

@@ -102,7 +102,7 @@ class Grid3D:
 
     def __str__(self) -> str:
         lines = [f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} ranks, order {self.order}"]
-        width = max(2, len(str(self.world_size - 1)))
+        width = len(str(self.world_size - 1))
         for d in range(self.dp):
             lines.append(f"replica {d}: " + "   ".join(
                 f"stage {j} [" + " ".join(f"{r:>{width}}" for r in self.tp_ranks(d, j)) + "]"
