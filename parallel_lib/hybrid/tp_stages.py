@@ -131,5 +131,5 @@ def dense_state(stage: TensorParallelStage, pp: int, gathered: Optional[nn.Modul
         return {}
     state = {k: v.detach().clone() for k, v in gathered.state_dict().items()}
     if stage.last and pp > 1:
-        state["lm_head.weight"] = R._all_gather(stage.head.detach(), 0, stage.model.group).clone()
+        state["lm_head.weight"] = R._all_gather(stage.head.detach(), 0, stage.model.group).cpu().clone()
     return {name: state[name] for name in owned_names(stage, pp)}
