@@ -50,8 +50,8 @@ def check_grid3d(n_gpus: int, quick: bool = False) -> str:
         rows.append([f"{dp} x {tp} x {pp}", schedule, "yes" if recompute else "no", optimizer, f"{worst:.1e}",
                      "equal", f"{1e3 * sum(times) / len(times):.1f}",
                      f"{max(r.state_bytes for r in results) / 1e6:.2f}"])
-    return "\n".join([f"DP x TP x PP on {n_gpus} NCCL ranks, {model} GPT-2: parameters after 3 steps vs one "
-                      "process on the CPU, every group's collectives vs chapter 10's formulas:", "",
+    return "\n".join([f"DP x TP x PP on {n_gpus} ranks (NCCL with a GPU each), {model} GPT-2: parameters after "
+                      "3 steps vs one process on the CPU, every group's collectives vs chapter 10's formulas:", "",
                       markdown_table(["dp x tp x pp", "schedule", "recompute", "optimizer",
                                       "max abs parameter difference", "traffic vs formula", "ms per step",
                                       "model state MB (fullest rank)"], rows, "llllrlrr")])

@@ -16,7 +16,7 @@ import torch
 from parallel_lib.hybrid.cost3d import expected_traffic, stage_parameters, stage_tensors, state_bytes, wire_bytes
 from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d_many
 from parallel_lib.hybrid.grid3d import Grid3D
-from parallel_lib.hybrid.layout3d import max_difference, measure_layout, reference_3d
+from parallel_lib.hybrid.layout3d import job_step_times, max_difference, measure_layout, reference_3d, summarize_layout
 from parallel_lib.runtime import launch
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.tensor_parallel.cost import GPTShape, shard_parameters, step_collectives
@@ -122,3 +122,12 @@ def test_each_groups_traffic_and_the_census_equal_the_formulas(launched, name):
 def test_measure_layout_refuses_a_run_with_nothing_to_time():
     with pytest.raises(ValueError, match="warmup"):
         measure_layout(1, 1, 1, steps=2, warmup=2)
+
+
+def test_the_planner_gets_the_slowest_step_the_fullest_rank_and_the_busiest_sender(launched):
+    results, config = launched["1f1b sgd"], CONFIGS["1f1b sgd"]
+    step_seconds, state, traffic, _ = summarize_layout(results, warmup=1)
+    assert step_seconds == job_step_times(results)[1] == max(r.step_times[1] for r in results)
+    fullest = max(stage_parameters(SHAPE, 2, 2, j == 0, j == 1, 2) for j in range(2))  # the embedding's stage
+    assert state == state_bytes(fullest, config.optimizer)
+    assert traffic["dp"] == 2 * (2 - 1) / 2 * 4 * fullest and traffic["pp"] == 2 * 2 * 8 * 32 * 4  # m=2 (2, 8, 32)

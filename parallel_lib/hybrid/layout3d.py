@@ -21,7 +21,8 @@ from parallel_lib.common.models import build_gpt2
 from parallel_lib.hybrid.dp_tp_pp import Config3D, Result3D, batches_3d, model_overrides, run_3d
 from parallel_lib.runtime.launcher import launch
 
-__all__ = ["train_3d", "LayoutMeasurement", "measure_layout", "reference_3d", "max_difference", "job_step_times"]
+__all__ = ["train_3d", "LayoutMeasurement", "measure_layout", "summarize_layout", "reference_3d", "max_difference",
+           "job_step_times"]
 
 
 def train_3d(dp: int, tp: int, pp: int, model: str = "tiny", steps: int = 2, micro_batches: int = 2,
@@ -74,7 +75,12 @@ def measure_layout(dp: int, tp: int, pp: int, model: str = "tiny", steps: int = 
     """
     if not 0 <= warmup < steps:
         raise ValueError(f"warmup must be in [0, steps={steps}) so that a step is left to time, got warmup={warmup}")
-    results = train_3d(dp, tp, pp, model=model, steps=steps, **fields)
+    return summarize_layout(train_3d(dp, tp, pp, model=model, steps=steps, **fields), warmup)
+
+
+def summarize_layout(results: Sequence[Result3D], warmup: int = 1) -> LayoutMeasurement:
+    """:func:`measure_layout`'s numbers from every rank's result (the busiest or fullest rank, the slowest step)."""
+    results = list(results)
     kinds = {kind for r in results for kind in r.wire}
     traffic = {kind: max(r.wire.get(kind, 0.0) for r in results) for kind in sorted(kinds)}
     return LayoutMeasurement(statistics.median(job_step_times(results)[warmup:]),
