@@ -80,8 +80,9 @@ def fit_alpha_beta(kind: str, group_size: int, nbytes: Sequence[float], seconds:
     y = torch.tensor(list(seconds), dtype=torch.float64)
     design = torch.stack([wire, torch.full_like(wire, float(hops(kind, group_size)))], dim=1)
     slope, alpha = torch.linalg.lstsq(design / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0].tolist()
-    if slope <= 0:  # a loaded machine: fall back on the two extreme sizes
-        slope = max((y[-1] - y[0]).item(), 1e-12) / max((wire[-1] - wire[0]).item(), 1.0)
+    if slope <= 1e-13:  # a loaded machine (no growth, or faster than 10 TB/s): fall back on the two extreme sizes
+        rise = (y[-1] - y[0]).item()
+        slope = rise / (wire[-1] - wire[0]).item() if rise > 0 else y[-1].item() / wire[-1].item()
         alpha = y[0].item() / hops(kind, group_size)
     return AlphaBeta(max(alpha, 0.0), 1.0 / slope)
 
@@ -113,20 +114,19 @@ def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return float(median)
 
 
-def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, repeats: int = 5,
-                      models: Sequence[tuple[str, int, int]] = ()) -> RankSpeed:
-    """One rank of the calibration launch: compute rates and model steps (all ranks at once), then each collective."""
-    from parallel_lib.planner.model_step import fit_step_cost, step_key  # model_step builds on this module
+def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, repeats: int = 5) -> RankSpeed:
+    """One rank of the calibration launch: compute rates (all ranks at once), then each collective's fit.
 
+    A model's step is fitted once, in one process alone (two parameters need quiet measurements);
+    at ``world_size`` ranks it is slowed by the ratio of the matmul rates measured here
+    (:meth:`Calibration.step_cost`).
+    """
     torch.set_num_threads(1)
     dist.barrier()
     speed = measure_machine_speed("cpu", size=512, megabytes=32, repeats=repeats)
-    fits = [fit_step_cost(*model, repeats=repeats) for model in models]
-    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second] +
-                           [x for f in fits for x in (f.fixed, f.flops_per_second, f.optimizer)], dtype=torch.float64)
+    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second], dtype=torch.float64)
     dist.all_reduce(numbers)  # the mean rank: every rank runs the same share of a layout
     numbers /= world_size
-    steps = {step_key(*model): tuple(numbers[2 + 3 * i: 5 + 3 * i].tolist()) for i, model in enumerate(models)}
     links = {}
     for kind in KINDS:
         times = []
@@ -146,7 +146,7 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
                     [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)])]
             times.append(_timed(fn, repeats))
         links[kind] = fit_alpha_beta(kind, world_size, [float(s) for s in sizes], times)
-    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links, steps)
+    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links)
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,15 @@ class Calibration:
         slow = alone.flops_per_second / speed.flops_per_second
         fixed, rate, optimizer = alone.step_costs[key]
         return fixed * slow, rate / slow, optimizer * slow
+
+    def slowed(self, world_size: int, factor: float) -> "Calibration":
+        """A copy whose ranks at ``world_size`` compute ``factor`` times slower (a busier moment of the machine)."""
+        speed = self.at(world_size)
+        steps = {k: (f * factor, r / factor, o * factor) for k, (f, r, o) in speed.step_costs.items()}
+        ranks = dict(self.ranks)
+        ranks[speed.world_size] = RankSpeed(speed.world_size, speed.flops_per_second / factor, speed.bytes_per_second,
+                                            speed.links, steps)
+        return Calibration(self.machine, ranks, self.gpus_per_node, self.across)
 
     def link(self, kind: str, world_size: int, span: int) -> AlphaBeta:
         """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide."""
@@ -218,7 +227,7 @@ def cache_path(key: Optional[str] = None) -> Path:
 MODELS = (("tiny", 512, 64),)  # (GPT-2 size, vocabulary, sequence length) whose step the calibration times
 
 
-def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 3, models: Sequence[tuple[str, int, int]] = MODELS,
+def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Sequence[tuple[str, int, int]] = MODELS,
               timeout: float = 120.0) -> Calibration:
     """Measure one process alone and every world size in ``world_sizes`` (one ``launch`` each)."""
     from parallel_lib.planner.model_step import fit_step_cost, step_key
@@ -231,12 +240,12 @@ def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 3, models: Seq
         torch.set_num_threads(threads)
     steps = {}
     for model in models:
-        fit = fit_step_cost(*model, repeats=repeats)
+        fit = fit_step_cost(*model, repeats=repeats)  # type: ignore[misc]
         steps[step_key(*model)] = (fit.fixed, fit.flops_per_second, fit.optimizer)
     ranks = {1: RankSpeed(1, alone.flops_per_second, alone.bytes_per_second, {}, steps)}
     for n in world_sizes:
-        ranks[positive_int("world size", n)] = launch(collective_worker, n, SIZES, repeats, list(models),
-                                                      threads_per_rank=1, timeout=timeout)[0]
+        ranks[positive_int("world size", n)] = launch(collective_worker, n, SIZES, repeats, threads_per_rank=1,
+                                                      timeout=timeout)[0]
     return Calibration(machine_key(), ranks)
 
 

@@ -63,7 +63,7 @@ def published_calibration(gpu: str, gpus_per_node: int = 8) -> Calibration:
     inside = AlphaBeta(NVLINK_LATENCY, g.nvlink)
     across = AlphaBeta(NETWORK_LATENCY, g.network)
     ranks = {1: RankSpeed(1, g.flops_bf16, g.hbm_bandwidth, {kind: inside for kind in KINDS})}
-    return Calibration(f"published peaks of {g.name}", ranks, {}, gpus_per_node, {kind: across for kind in KINDS})
+    return Calibration(f"published peaks of {g.name}", ranks, gpus_per_node, {kind: across for kind in KINDS})
 
 
 def published_table() -> list[list[object]]:

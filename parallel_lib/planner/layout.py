@@ -22,15 +22,15 @@ matrix products, so the model adds their times.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Union
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
-from parallel_lib.pipeline_parallel.simulator import simulate_schedule
+from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.sharding.memory import zero_memory
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
@@ -162,6 +162,21 @@ def _flops(shape: GPTShape, blocks: int, rows: int, seq: int, head: bool) -> flo
     return block + (6 * rows * seq * shape.n_embd * shape.vocab_size if head else 0.0)
 
 
+@lru_cache(maxsize=4096)
+def _simulated(name: str, p: int, m: int, v: int, ratios: tuple, comm: float) -> tuple[float, float]:
+    """(step time, bubble) of the schedule with forward 1/3 and backward 2/3 of each stage's cost (ratios)."""
+    schedule = interleaved_1f1b(p, m, v) if name == "interleaved" else make_schedule(name, p, m)
+    costs = (1 / 3, 2 / 3) if len(ratios) == 1 else [(r / 3, 2 * r / 3) for r in ratios]
+    result = simulate_schedule(schedule, costs, comm)
+    return result.step_time, result.bubble
+
+
+@lru_cache(maxsize=4096)
+def _in_flight(name: str, p: int, m: int, v: int) -> float:
+    schedule = interleaved_1f1b(p, m, v) if name == "interleaved" else make_schedule(name, p, m)
+    return max(peak_in_flight(schedule))
+
+
 def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, span: int) -> float:
     return sum(n * cal.link(kind, world, span).seconds(kind, nbytes / max(n, 1), group)
                for kind, (n, nbytes) in calls.items())
@@ -195,8 +210,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     else:
         acts = activation_bytes(mb, seq_len, stage_shape, L.tp, L.sequence_parallel, attention_scores)
     acts *= width / 2
-    schedule = L.schedule_object() if L.pp > 1 else None
-    in_flight = max(simulate_schedule(schedule).peak_in_flight) if schedule else 1.0
+    in_flight = _in_flight(L.schedule, L.pp, L.micro_batches, L.virtual) if L.pp > 1 else 1.0
 
     # compute per micro-batch and stage: the calibrated rank, slowed by the ranks sharing its cores
     if isinstance(step_cost, str):
@@ -214,16 +228,14 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
         tp_total = max(tp_total, tp_seconds)
         costs.append(seconds + tp_seconds)
-    if schedule is None:
+    if L.pp == 1:
         compute, bubble = L.micro_batches * costs[0], 0.0
     else:
         hop = calibration.link("send", world, L.tp * L.pp).seconds("send", mb * seq_len * shape.n_embd * width, 2)
-        if L.virtual > 1:  # one cost per rank, split evenly over its virtual stages by the simulator
-            stage_costs = (max(costs) / 3, 2 * max(costs) / 3)
-        else:
-            stage_costs = [(c / 3, 2 * c / 3) for c in costs]
-        result = simulate_schedule(schedule, stage_costs, hop)
-        compute, bubble = result.step_time, result.bubble
+        unit = max(costs)  # the simulation in units of the busiest stage, cached: many layouts share one
+        ratios = (1.0,) if L.virtual > 1 else tuple(round(c / unit, 2) for c in costs)
+        step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
+        compute = step * unit
     tp_comm = tp_total * L.micro_batches
 
     # after the backward pass: ZeRO's (or plain DP's) collectives over the dp ranks, and the optimizer step

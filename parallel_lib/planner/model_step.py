@@ -4,12 +4,12 @@ The matmul rate of :mod:`parallel_lib.common.machine_speed` is what large matrix
 A training step of the course's small GPT-2 models also pays for what is not a matrix product:
 dispatching a few dozen kernels per block, autograd's bookkeeping, layer norms, softmax. On a CPU
 that costs milliseconds per step and dominates the tiny model. So the calibration times one
-rank's forward + backward at two batch sizes and solves
+rank's forward + backward at four batch sizes and fits
 
     t(b) = fixed · (L + 1) + training_flops(b) / rate
 
 for ``fixed`` (seconds per block and pass; the embedding and the head count as one more block)
-and ``rate`` (FLOP/s reached by this model's products), and it times one AdamW step. A layout's
+and ``rate`` (FLOP/s reached by this model's products), and it times one AdamW step. (Three or more batch sizes, least squares.) A layout's
 rank then costs ``fixed`` per block it holds and pass, and its share of the FLOPs at ``rate``.
 """
 
@@ -34,24 +34,27 @@ def step_key(model: str, vocab_size: int, seq_len: int) -> str:
 
 def solve_step_cost(shape: GPTShape, seq_len: int, batches: Sequence[int], seconds: Sequence[float],
                     optimizer: float = 0.0) -> StepCost:
-    """``fixed`` and ``rate`` of ``t = fixed (L + 1) + flops / rate`` through two (batch, seconds) points.
+    """Least-squares ``fixed`` and ``rate`` of ``t = fixed (L + 1) + flops / rate`` (relative errors weighted alike).
 
     Raises:
-        ValueError: not two distinct batch sizes, or times that do not grow with the batch.
+        ValueError: fewer than two distinct batch sizes, or times that do not grow with the batch.
     """
-    if len(batches) != 2 or len(seconds) != 2 or batches[0] == batches[1]:
-        raise ValueError(f"need two distinct batch sizes and their times, got batches={batches}, seconds={seconds}")
-    f0, f1 = (training_flops(shape, b, seq_len) for b in batches)
-    slope = (seconds[1] - seconds[0]) / (f1 - f0)
+    if len(batches) != len(seconds) or len(set(batches)) < 2:
+        raise ValueError(f"need >= 2 distinct batch sizes and their times, got batches={batches}, seconds={seconds}")
+    flops = torch.tensor([training_flops(shape, b, seq_len) for b in batches], dtype=torch.float64)
+    y = torch.tensor(list(seconds), dtype=torch.float64)
+    design = torch.stack([flops, torch.full_like(flops, float(shape.n_layer + 1))], dim=1)
+    slope, fixed = torch.linalg.lstsq(design / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0].tolist()
     if slope <= 0:
         raise ValueError(f"times {seconds} do not grow with the batch {batches}: the machine was too busy; rerun")
-    fixed = max(seconds[0] - f0 * slope, 0.0) / (shape.n_layer + 1)
+    if fixed < 0:  # no fixed part: the rate of the largest batch
+        return StepCost(0.0, float(flops[-1] / y[-1]), optimizer)
     return StepCost(fixed, 1.0 / slope, optimizer)
 
 
-def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, batches: Sequence[int] = (2, 16),
+def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, batches: Sequence[int] = (2, 4, 8, 16),
                   repeats: int = 5) -> StepCost:
-    """Time this process's forward + backward (median of ``repeats``) at two batch sizes, one thread."""
+    """Time this process's forward + backward (median of ``repeats``) at each batch size, one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
