@@ -190,7 +190,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         ValueError: a batch that does not split into dp replicas of ``micro_batches`` micro-batches,
             a tp that does not divide the heads and vocabulary, or pp larger than the blocks.
 
-    ``step_cost``: a :class:`StepCost`, or the key of one the calibration measured at this world size.
+    ``step_cost``: a :class:`StepCost` of one rank alone, or the key of one the calibration holds.
     """
     L, world, width = layout, layout.devices, DTYPE_BYTES[layout.dtype]
     rows = global_batch // L.dp
@@ -215,6 +215,9 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     # compute per micro-batch and stage: the calibrated rank, slowed by the ranks sharing its cores
     if isinstance(step_cost, str):
         step_cost = StepCost(*calibration.step_cost(step_cost, world))
+    else:  # the cost of one rank alone, slowed as the calibration's matmul rate slows with more ranks per core
+        slow = calibration.ranks[min(calibration.ranks)].flops_per_second / calibration.at(world).flops_per_second
+        step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow)
     tp_span = L.tp
     costs, tp_total = [], 0.0
     for s, b in enumerate(blocks):
