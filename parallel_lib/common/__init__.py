@@ -4,6 +4,7 @@ argument checks and markdown tables.
 
 from parallel_lib.common.activations import ActivationStep, SavedTensors, measure_step_activations, set_recomputation
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
+from parallel_lib.common.machine_speed import MachineSpeed, measure_machine_speed
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import (
@@ -30,6 +31,8 @@ __all__ = [
     "check_number",
     "positive_number",
     "check_choice",
+    "MachineSpeed",
+    "measure_machine_speed",
     "GPT2_SIZES",
     "gpt2_config",
     "build_gpt2",
