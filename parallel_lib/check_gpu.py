@@ -118,6 +118,9 @@ register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by
                                         "ranks: equivalence with one process", check_tensor_parallel))
 register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 schedule's Pipe over cuda:0, "
                                   "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
+from parallel_lib.gpu_checks_hybrid3d import check_grid3d  # noqa: E402  (chapter 10)
+register_check("grid3d", Check("10_training_at_scale", 2, "DP x TP x PP on NCCL ranks: equivalence with one "
+                               "process, every group's traffic vs the formula", check_grid3d))
 
 
 # --------------------------------------------------------------------------- plan

@@ -177,6 +177,13 @@ def _tp_step_times() -> Figure:
     return render_step_times(*sweep_series(measure(SWEEP)), title=f"2-layer GPT-2, tp = 1 vs 2 ({machine_label()})")
 
 
+# ----------------------------------------------------------------------------- chapter 10
+def _grid3d() -> Figure:
+    from parallel_lib.hybrid.grid3d import Grid3D
+    from parallel_lib.viz.grid3d import render_grid3d
+    return render_grid3d(Grid3D(dp=2, tp=2, pp=2))
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -197,6 +204,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("tp_layer_steps", "ch07", False, _tp_layer_steps),
     FigureSpec("tp_step_times", "ch07", True, _tp_step_times),
     FigureSpec("pipeline_schedules_ch08", "ch08", False, _schedule_zoo),
+    FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
 ]
 
 
