@@ -5,6 +5,7 @@
 16 sequences per step) under each layout with the chapters' own engines — ZeRO 0–3 from
 ``sharding/`` (chapter 06), tensor parallelism ± sequence parallelism from ``tensor_parallel/``
 (chapter 07), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters 04, 05),
+TP×PP with and without recomputation from ``hybrid/dp_tp_pp`` (the 3D runner behind ``measure_layout``),
 one process with and without recomputation (chapter 08's measurement) — and puts measured step
 time and model-state bytes beside :func:`parallel_lib.planner.layout.price`'s prediction.
 Goals: step time within 25 %, model state within 5 %. ``--quick`` runs two layouts on 2 ranks.
@@ -27,6 +28,7 @@ from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import get_tokenizer
 from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid
+from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d
 from parallel_lib.planner.__main__ import describe
 from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
 from parallel_lib.planner.layout import Layout, price
@@ -86,22 +88,26 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
     tp = lambda t, sp: (Layout(dp=world_size // t, tp=t, sequence_parallel=sp), "tensor_parallel.tp_worker",  # noqa: E731
                         TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
                                  steps=steps, tp=t, sequence_parallel=sp, padding=False), tp_shape)
+    three_d = Config3D(dp=1, tp=2, pp=2, model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH,
+                       micro_batches=4, optimizer="adamw", lr=1e-3, steps=steps)
+    grid = lambda rc: (Layout(tp=2, pp=2, micro_batches=4, recompute=rc), "hybrid.run_3d",  # noqa: E731
+                       replace(three_d, recompute=rc), tp_shape)
     if quick:
         return [zero(0), pipe(1, "1f1b", 4)]
     if world_size == 2:
         return [zero(0), zero(1), zero(2), zero(3), tp(2, False), tp(2, True), pipe(1, "gpipe", 4), pipe(1, "1f1b", 4)]
-    return [zero(0), zero(2), tp(2, False), pipe(2, "1f1b", 2)]
+    return [zero(0), zero(2), tp(2, False), pipe(2, "1f1b", 2), grid(False), grid(True)]
 
 
 def _probe() -> float:
     """Every rank's 512 x 512 matmul rate now, averaged: how busy the machine is at this moment."""
     torch.set_num_threads(1)
-    rate = torch.tensor(measure_matmul_flops("cpu", 512, 5))
+    rate = torch.tensor(measure_matmul_flops("cpu", 512, 9))
     dist.all_reduce(rate)
     return float(rate) / dist.get_world_size()
 
 
-def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], repeats: int = 5
+def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], repeats: int = 5, warm_up: bool = True
              ) -> tuple[RankSpeed, list[tuple[list[float], float, float]]]:
     """This world size's calibration, then every ``(engine, config)`` in turn on this rank.
 
@@ -112,18 +118,28 @@ def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], repeat
     """
     speed = collective_worker(rank, world_size, SIZES, repeats)
     out = []
+    if work and warm_up:  # a first run pays for lazy set-up (allocator, gloo pairs, kernels): one short run, not timed
+        _run(rank, world_size, work[0][0], replace(work[0][1], steps=2))
     for engine, config in work:
-        probe = _probe()
-        if engine == "sharding.ZeroEngine":
-            r = run_sharded(rank, world_size, config)
-            out.append((r.record.step_times, float(r.census.get("total", 0)), probe))
-        elif engine == "tensor_parallel.tp_worker":
-            t = tp_worker(rank, world_size, config, return_state=False)
-            out.append((t.record.step_times, 4.0 * t.parameter_bytes, probe))  # + gradients + AdamW's two moments
-        else:
-            h = run_hybrid(rank, world_size, config)
-            out.append((h.record.step_times, float(h.state_bytes), probe))
+        before = _probe()
+        times, state = _run(rank, world_size, engine, config)
+        out.append((times, state, (before + _probe()) / 2))  # the machine's speed around the run
     return speed, out
+
+
+def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[float], float]:
+    """One run with ``engine``: its step times on this rank and the model-state bytes it holds."""
+    if engine == "sharding.ZeroEngine":
+        r = run_sharded(rank, world_size, config)
+        return r.record.step_times, float(r.census.get("total", 0))
+    if engine == "tensor_parallel.tp_worker":
+        t = tp_worker(rank, world_size, config, return_state=False)
+        return t.record.step_times, 4.0 * t.parameter_bytes  # + gradients + AdamW's two moments
+    if engine == "hybrid.run_3d":
+        g = run_3d(rank, world_size, config)
+        return g.step_times, float(g.state_bytes)
+    h = run_hybrid(rank, world_size, config)
+    return h.record.step_times, float(h.state_bytes)
 
 
 def _step_time(per_rank: Sequence[Sequence[float]]) -> float:
@@ -160,7 +176,7 @@ def measure(steps: int = 5, world_sizes: Sequence[int] = (2, 4), quick: bool = F
     rows = [] if quick else _single(calibration, steps)
     for n in world_sizes:
         work = jobs(n, steps, quick)
-        launched = launch(run_jobs, n, [(engine, config) for _, engine, config, _ in work], repeats,
+        launched = launch(run_jobs, n, [(engine, config) for _, engine, config, _ in work], repeats, not quick,
                           threads_per_rank=1, timeout=timeout)
         calibration.ranks[n] = launched[0][0]
         results = [r for _, r in launched]
