@@ -81,17 +81,27 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
     hybrid = HybridConfig(model="tiny", batch_size=BATCH, steps=steps, train_examples=BATCH * steps,
                           vocab_size=VOCAB, max_length=SEQ)
     hybrid_shape = GPTShape.of(gpt2_config("tiny", _hybrid_vocab(hybrid.train_examples)))
-    out: list[tuple[Layout, str, Any, GPTShape]] = []
-    zero = lambda k: (Layout(dp=world_size, zero=k), "sharding.ZeroEngine", replace(sharded, stage=k), shard_shape)  # noqa: E731
-    pipe = lambda dp, s, m: (Layout(dp=dp, pp=world_size // dp, schedule=s, micro_batches=m), "hybrid.run_hybrid",  # noqa: E731
-                             replace(hybrid, dp=dp, pp=world_size // dp, schedule=s, micro_batches=m), hybrid_shape)
-    tp = lambda t, sp: (Layout(dp=world_size // t, tp=t, sequence_parallel=sp), "tensor_parallel.tp_worker",  # noqa: E731
-                        TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
-                                 steps=steps, tp=t, sequence_parallel=sp, padding=False), tp_shape)
+
+    def zero(k: int) -> tuple[Layout, str, Any, GPTShape]:
+        return Layout(dp=world_size, zero=k), "sharding.ZeroEngine", replace(sharded, stage=k), shard_shape
+
+    def pipe(dp: int, schedule: str, m: int) -> tuple[Layout, str, Any, GPTShape]:
+        pp = world_size // dp
+        return (Layout(dp=dp, pp=pp, schedule=schedule, micro_batches=m), "hybrid.run_hybrid",
+                replace(hybrid, dp=dp, pp=pp, schedule=schedule, micro_batches=m), hybrid_shape)
+
+    def tp(t: int, sp: bool) -> tuple[Layout, str, Any, GPTShape]:
+        config = TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
+                          steps=steps, tp=t, sequence_parallel=sp, padding=False)
+        return Layout(dp=world_size // t, tp=t, sequence_parallel=sp), "tensor_parallel.tp_worker", config, tp_shape
+
     three_d = Config3D(dp=1, tp=2, pp=2, model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH,
                        micro_batches=4, optimizer="adamw", lr=1e-3, steps=steps)
-    grid = lambda rc: (Layout(tp=2, pp=2, micro_batches=4, recompute=rc), "hybrid.run_3d",  # noqa: E731
-                       replace(three_d, recompute=rc), tp_shape)
+
+    def grid(rc: bool) -> tuple[Layout, str, Any, GPTShape]:
+        layout = Layout(tp=2, pp=2, micro_batches=4, recompute=rc)
+        return layout, "hybrid.run_3d", replace(three_d, recompute=rc), tp_shape
+
     if quick:
         return [zero(0), pipe(1, "1f1b", 4)]
     if world_size == 2:
@@ -195,8 +205,8 @@ def markdown(rows: Sequence[Row], machine: Optional[str] = None) -> str:
               f"{r.measured_seconds * 1e3:.1f}", f"{r.time_error:+.0%}", "yes" if abs(r.time_error) <= 0.25 else "NO",
               f"{r.predicted_state / 1e6:.3f}", f"{r.measured_state / 1e6:.3f}", f"{r.state_error:+.1%}",
               "yes" if abs(r.state_error) <= 0.05 else "NO", r.state_how] for r in rows]
-    header = ["layout", "ranks", "engine", "load", "predicted ms", "measured ms", "error", "<=25%", "predicted state MB",
-              "measured state MB", "error", "<=5%", "state measured by"]
+    header = ["layout", "ranks", "engine", "load", "predicted ms", "measured ms", "error", "<=25%",
+              "predicted state MB", "measured state MB", "error", "<=5%", "state measured by"]
     within = sum(abs(r.time_error) <= 0.25 for r in rows)
     return (f"Tiny GPT-2 (vocabulary {VOCAB}, {SEQ} tokens, {BATCH} sequences per step), measured on "
             f"{machine or machine_label()}.\n\n" + tables.markdown_table(header, cells) +

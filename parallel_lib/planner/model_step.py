@@ -9,8 +9,8 @@ rank's forward + backward at four batch sizes and fits
     t(b) = fixed · (L + 1) + training_flops(b) / rate
 
 for ``fixed`` (seconds per block and pass; the embedding and the head count as one more block)
-and ``rate`` (FLOP/s reached by this model's products), and it times one AdamW step. (Three or more batch sizes, least squares.) A layout's
-rank then costs ``fixed`` per block it holds and pass, and its share of the FLOPs at ``rate``.
+and ``rate`` (FLOP/s reached by this model's products) by least squares, and it times one AdamW
+step. A layout's rank then costs ``fixed`` per block it holds and pass, and its share of the FLOPs at ``rate``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64,
         try:
             return solve_step_cost(shape, seq_len, batches, seconds, statistics.median(steps[1:]))
         except ValueError:  # a busy moment made the small batch slower: no fixed part, the large batch's rate
-            return StepCost(0.0, training_flops(shape, batches[-1], seq_len) / seconds[-1], statistics.median(steps[1:]))
+            rate = training_flops(shape, batches[-1], seq_len) / seconds[-1]
+            return StepCost(0.0, rate, statistics.median(steps[1:]))
     finally:
         torch.set_num_threads(threads)

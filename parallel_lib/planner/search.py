@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Union
 from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
+from parallel_lib.tensor_parallel.cost import GPTShape
 
 __all__ = ["Candidate", "LayoutPlan", "plan_layouts", "divisors"]
 
@@ -61,7 +62,7 @@ def _micro_batches(rows: int, pp: int, cap: int) -> int:
     return max(m for m in divisors(rows) if m <= max(1, cap * pp)) if pp > 1 else 1
 
 
-def plan_layouts(shape, devices: int, memory_per_device: float, global_batch: int, seq_len: int,  # type: ignore[no-untyped-def]
+def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global_batch: int, seq_len: int,
                  calibration: Calibration, step_cost: Union[StepCost, str], dtype: str = "bf16",
                  gpus_per_node: int = 8, schedules: Sequence[str] = ("1f1b", "interleaved", "zb-h1"),
                  zero_stages: Sequence[int] = (0, 1, 2, 3), recompute: Sequence[bool] = (False, True),
@@ -108,7 +109,7 @@ def plan_layouts(shape, devices: int, memory_per_device: float, global_batch: in
     return LayoutPlan(tuple(fits), tuple(rejected), memory_per_device)
 
 
-def _try(fits: list, rejected: list, layout: Layout, shape, rows: int, global_batch: int, seq_len: int,  # type: ignore[no-untyped-def]
+def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int, global_batch: int, seq_len: int,
          calibration: Calibration, step_cost: Union[StepCost, str], memory: float, scores: bool) -> None:
     """Price ``layout``; without a pipeline, accumulate over the fewest micro-batches that fit."""
     counts = divisors(rows) if layout.pp == 1 else [layout.micro_batches]
@@ -123,6 +124,7 @@ def _try(fits: list, rejected: list, layout: Layout, shape, rows: int, global_ba
     assert priced is not None
     gib = 2**30
     rejected.append(Candidate(priced, priced.layout,
-                              f"{priced.state_bytes / gib:.1f} GiB of model state + {priced.activation_bytes / gib:.1f} "
-                              f"GiB of activations ({priced.in_flight:g} micro-batch(es) in flight) > "
+                              f"{priced.state_bytes / gib:.1f} GiB of model state + "
+                              f"{priced.activation_bytes / gib:.1f} GiB of activations ({priced.in_flight:g} "
+                              "micro-batch(es) in flight) > "
                               f"{memory / gib:.0f} GiB per device"))
