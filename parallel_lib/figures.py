@@ -184,6 +184,46 @@ def _grid3d() -> Figure:
     return render_grid3d(Grid3D(dp=2, tp=2, pp=2))
 
 
+# ----------------------------------------------------------------------------- chapter 09
+
+def _inference_calculator() -> Figure:
+    from parallel_lib.viz.inference import calculator_figure
+    return calculator_figure("llama-2-7b", "A100 80GB (published)", "tp", 2, 8, 2048, 256)
+
+
+def _inference_roofline() -> Figure:
+    from parallel_lib.inference.cost_model import GPUS, forward_bytes, forward_flops, step_seconds
+    from parallel_lib.viz.inference import plot_roofline
+    hw, points = GPUS["A100 80GB (published)"], {}
+    for label, tokens, batch in (("prefill, 512-token prompt", 512, 0), ("decode, batch 1", 1, 1),
+                                 ("decode, batch 64", 64, 64)):
+        flops = forward_flops("llama-2-7b", tokens, 256 if not batch else 512)
+        nbytes = forward_bytes("llama-2-7b", batch, 512, "fp16")
+        points[label] = (flops / nbytes, flops / step_seconds(hw, flops, nbytes, 0))
+    return plot_roofline(hw.flops_per_second, hw.bytes_per_second, points,
+                         "LLaMA-2-7B fp16 on an A100 (published peak figures, not measured)")
+
+
+def _inference_timelines() -> Figure:
+    from parallel_lib.bench._inference_runs import Job, launch_jobs, make_requests
+    from parallel_lib.inference import ServeConfig
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.viz.inference import plot_request_timelines
+    config = ServeConfig(max_batch=2, initializer_range=0.2)
+    requests = make_requests(4, 8, 6, config.vocab_size, jitter=3)
+    runs, _, _ = launch_jobs([Job(s, 2, requests, config) for s in ("mp", "dp", "pp", "tp")])
+    return plot_request_timelines({f"{run.strategy}, 2 devices, 4 requests, groups of 2 ({machine_label()})": run
+                                   for run in runs})
+
+
+def _v_schedules() -> Figure:
+    """Chapter 08's V shapes, ZB-V beside DualPipeV (the animation's two V schedules), p = 4, m = 8."""
+    from parallel_lib.pipeline_parallel import make_schedule
+    from parallel_lib.viz.schedule import render_schedules
+    return render_schedules([make_schedule(name, 4, 8) for name in ("zbv", "dualpipev")], (1.0, 1.0, 1.0),
+                            title="F = B = W = 1")
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -205,6 +245,10 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("tp_step_times", "ch07", True, _tp_step_times),
     FigureSpec("pipeline_schedules_ch08", "ch08", False, _schedule_zoo),
     FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
+    FigureSpec("inference_calculator", "ch09", False, _inference_calculator),
+    FigureSpec("inference_roofline", "ch09", False, _inference_roofline),
+    FigureSpec("inference_timelines", "ch09", True, _inference_timelines),
+    FigureSpec("pipeline_v_schedules_ch08", "ch08", False, _v_schedules),
 ]
 
 

@@ -28,7 +28,8 @@ from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import forward_loss, train, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
-from parallel_lib.data_parallel.dp import DPConfig, run_dp_many, single_process_reference
+from parallel_lib.data_parallel.dp import DPConfig, run_dp_many
+from parallel_lib.data_parallel.dp_reference import single_process_reference
 from parallel_lib.model_parallel.device_map import get_device_map
 from parallel_lib.model_parallel.placing import parallelize
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages

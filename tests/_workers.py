@@ -22,7 +22,7 @@ def describe_rank(rank: int, world_size: int, tag: str = "") -> dict:
                 backend=dist.get_backend(), device=str(rank_device()),
                 threads=torch.get_num_threads(), pid=os.getpid(),
                 master=(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
-                ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
+                ifname=os.environ.get("GLOO_SOCKET_IFNAME"), mark=os.environ.get("PARALLEL_LIB_TEST_MARK"))
 
 
 def raise_on_rank_1(rank: int, world_size: int) -> int:

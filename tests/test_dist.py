@@ -7,6 +7,7 @@ cases are few and cover one behaviour each; failure cases use short timeouts.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import socket
@@ -28,15 +29,17 @@ from parallel_lib.runtime.environment import main as environment_main
 def _live_children() -> list:
     """Processes started by this test process that still exist, zombies included.
 
-    multiprocessing's resource tracker is left out: spawn starts one per parent process,
-    on purpose, and it exits with the parent.
+    multiprocessing's resource tracker and the fork server ranks are forked from are left out
+    (their children, the ranks, are not): each is started once per parent process, on purpose,
+    and exits with the parent.
     """
     try:
         import psutil
     except ImportError:  # psutil comes with jupyter; without it, check what multiprocessing knows
         return multiprocessing.active_children()
     tracker = multiprocessing.resource_tracker._resource_tracker._pid
-    return [p for p in psutil.Process().children(recursive=True) if p.pid != tracker]
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in (tracker, server)]
 
 
 @pytest.fixture(autouse=True)
@@ -61,8 +64,12 @@ def torchrun_env(monkeypatch):
 
 # --- multi-process: gloo ranks on the CPU ------------------------------------------------------
 
-def test_launch_returns_each_ranks_view_in_rank_order():
+def test_launch_returns_each_ranks_view_in_rank_order(monkeypatch):
+    monkeypatch.delenv("PARALLEL_LIB_TEST_MARK", raising=False)
     first = launch(_workers.describe_rank, 3, "a", timeout=60)
+    # ranks are forked from a server started by the first launch: they must still see the
+    # caller's environment as it is now, as spawned ranks would
+    monkeypatch.setenv("PARALLEL_LIB_TEST_MARK", "set after the first launch")
     second = launch(_workers.describe_rank, 2, "b", threads_per_rank=1, timeout=60)  # right after
 
     assert [r["rank"] for r in first] == [0, 1, 2]
@@ -77,6 +84,8 @@ def test_launch_returns_each_ranks_view_in_rank_order():
     assert len(pids) == 3 and os.getpid() not in pids
     assert len({seen["master"] for seen in first}) == 1  # one rendezvous per launch
     assert [(s["rank"], s["tag"], s["threads"]) for s in second] == [(0, "b", 1), (1, "b", 1)]
+    assert [s["mark"] for s in first] == [None] * 3
+    assert [s["mark"] for s in second] == ["set after the first launch"] * 2
 
 
 def test_all_reduce_demo_sums_over_ranks():

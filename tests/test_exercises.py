@@ -44,7 +44,7 @@ def notebook_function(source: str):
 # ----------------------------------------------------------------------------- the registry
 
 def test_registry_covers_every_chapter_with_two_to_four_exercises():
-    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07", "08"]
+    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09"]
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
@@ -576,5 +576,44 @@ def test_known_wrong_ch07_solution_fails_with_a_helpful_message(name, source, fr
                                               ("F Backward", None), (3, "must be one of the strings")])
 def test_missing_operator_answers(answer, fragment):
     result = exercises.check_missing_operator(answer)
+    assert result.passed == (fragment is None)
+    assert fragment is None or fragment in result.message, result.message
+
+
+# ----------------------------------------------------------------------------- chapter 09
+
+WRONG_CH09 = [
+    ("largest_batch", """
+        def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
+            return kv_budget_bytes // (n_layers * kv_heads // tp * head_dim * bytes_per_element * seq_len)  # no V
+     """, ["expected 32, got 64", "a key AND a value"]),
+    ("largest_batch", """
+        def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
+            return kv_budget_bytes // (2 * n_layers * n_heads // tp * head_dim * bytes_per_element * seq_len)
+     """, ["expected 51, got 6", "kv_heads heads, not n_heads"]),
+    ("largest_batch", """
+        def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
+            return kv_budget_bytes // (2 * n_layers * kv_heads * head_dim * bytes_per_element * seq_len)  # whole cache
+     """, ["only its own KV heads"]),
+    ("largest_batch", """
+        def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
+            return kv_budget_bytes // (2 * n_layers * (kv_heads // tp) * head_dim * bytes_per_element * seq_len)
+     """, ["raised ZeroDivisionError"]),  # 16 ranks, 8 KV heads: a rank keeps one head, not zero
+]
+
+
+@pytest.mark.parametrize("name, source, fragments", WRONG_CH09, ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG_CH09)])
+def test_known_wrong_ch09_solution_fails_with_a_helpful_message(name, source, fragments):
+    result = exercise(name).check(notebook_function(source))
+    assert not result.passed and result.message.startswith(f"❌ {name}")
+    for fragment in fragments:
+        assert fragment in result.message, result.message
+
+
+@pytest.mark.parametrize("answer, fragment", [((0.5, 2.0), None), ((1.0, 4.0), "cross both stages"),
+                                              ((0.5, 1.0), "both stages are busy"), ((0.5, 4.0), "at most one group"),
+                                              ("2x", "must be a pair")])
+def test_pipeline_throughput_answers(answer, fragment):
+    result = exercises.check_pipeline_throughput(answer)
     assert result.passed == (fragment is None)
     assert fragment is None or fragment in result.message, result.message

@@ -20,15 +20,17 @@ from parallel_lib.pipeline_parallel import (
     stages_per_rank,
     validate_schedule,
 )
+from parallel_lib.common.timeline import Event
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight
+from parallel_lib.pipeline_parallel.timeline_stats import dispatch_overheads
 
-NEW = ["interleaved", "zb-h1", "zb-h2", "zbv"]
+NEW = ["interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 PS = range(1, 9)
 MS = range(1, 17)
 
 
 def valid_sizes(name):
-    return [(p, m) for p in PS for m in MS if name != "interleaved" or m % p == 0]
+    return [(p, m) for p in PS for m in MS if (name != "interleaved" or m % p == 0) and (name != "dualpipev" or m >= 2 * p)]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", *NEW])
@@ -46,6 +48,8 @@ def test_interleaved_states_and_checks_its_requirement_on_m():
         make_schedule("interleaved", 4, 6)
     with pytest.raises(ValueError, match="multiple of p=4.*got m=2"):
         make_schedule("interleaved", 4, 2)
+    with pytest.raises(ValueError, match="dualpipev needs m.*at least 2p=8.*got m=7"):
+        make_schedule("dualpipev", 4, 7)
 
 
 def test_interleaved_warm_up_is_megatrons():
@@ -81,6 +85,14 @@ def test_closed_form_bubbles_are_exact_for_equal_costs(p, m):
         h2 = simulate_schedule(make_schedule("zb-h2", p, m), (1.0, 1.0, 1.0))
         assert h2.bubble == pytest.approx(0.0)
         assert h2.sync_bubble == pytest.approx((p - 1) / (3 * m))  # the parallelogram's ends, one step alone
+    if m >= 2 * p - 1:  # ZB-V: no idle inside any rank's span; its parallelogram is made of half stages
+        v = simulate_schedule(make_schedule("zbv", p, m), (1.0, 1.0, 1.0))
+        assert v.bubble == pytest.approx(0.0)
+        assert v.sync_bubble == pytest.approx((p - 1) / (6 * m))
+    if m >= 2 * p:  # DualPipeV without credit for its overlap: ZB-V's step, the idle time inside every span
+        dual = simulate_schedule(make_schedule("dualpipev", p, m), (1.0, 1.0, 1.0))
+        assert dual.bubble == pytest.approx((p - 1) / (6 * m))
+        assert dual.step_time == pytest.approx(v.step_time)
 
 
 @pytest.mark.parametrize("p, m", [(p, m) for p in PS for m in MS])
@@ -89,7 +101,12 @@ def test_peak_in_flight_activations_match_each_schedules_published_figure(p, m):
     assert peak_in_flight(make_schedule("1f1b", p, m)) == [min(p - r, m) for r in range(p)]
     assert peak_in_flight(make_schedule("zb-h1", p, m)) == [min(p, m)] * p  # 1F1B's peak, on every rank
     assert peak_in_flight(make_schedule("zb-h2", p, m)) == [min(2 * p - 1, m)] * p  # about twice
-    assert max(peak_in_flight(make_schedule("zbv", p, m))) <= p  # 2p half-stages = 1F1B's peak
+    # ZB-V: 1F1B's activation memory (2p half-stages = p micro-batches, README of the ZB repository),
+    # on every rank once m fills the V; fewer micro-batches hold less
+    zbv = peak_in_flight(make_schedule("zbv", p, m))
+    assert zbv == [p] * p if m >= 2 * p - 1 else max(zbv) <= p
+    if m >= 2 * p:  # DualPipe: PP + 1 chunks (DeepSeek-V3 report, table 2), PP = 2p half-stages in the V
+        assert peak_in_flight(make_schedule("dualpipev", p, m)) == [(2 * p + 1) / 2] * p
     if m % p == 0:  # Megatron: warm-up + 1 stage-activations of 1/v each
         want = [(2 * m if m == p else min((p - r - 1) * 2 + p + 1, 2 * m)) / 2 for r in range(p)]
         assert peak_in_flight(make_schedule("interleaved", p, m)) == want
@@ -140,3 +157,19 @@ def test_actions_name_their_stage_and_reject_unknown_kinds():
     assert str(Action("W", 3, 5)) == "W3s5"
     with pytest.raises(ValueError, match="kind must be 'F', 'B' or 'W'"):
         Action("X", 0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "dualpipev"])
+def test_dispatch_overheads_read_back_the_simulators_communication_time(name):
+    schedule = make_schedule(name, 4, 8)
+    assert dispatch_overheads(simulate(schedule, (1.0, 2.0, 1.0), comm=0.25), schedule) == (0.0, 0.25)
+
+
+def test_dispatch_overheads_of_a_measured_timeline():
+    lane0, lane1 = "stage 0", "stage 1"
+    events = [Event(lane0, "forward", 0, 0.0, 1.0), Event(lane0, "forward", 1, 1.1, 2.1),  # a gap of 0.1
+              Event(lane1, "forward", 0, 1.5, 2.5), Event(lane1, "backward", 0, 2.8, 3.8),  # the loss's B: 0.3
+              Event(lane1, "forward", 1, 3.8, 4.8),  # F1 arrived while rank 1 was busy: not counted
+              Event(lane0, "backward", 0, 4.2, 5.2),  # waited 0.4 for rank 1's B0
+              Event(lane1, "backward", 1, 4.8, 5.8), Event(lane0, "backward", 1, 6.4, 7.4)]  # waited 0.6
+    assert dispatch_overheads(events, make_schedule("1f1b", 2, 2)) == pytest.approx((0.1, 0.5))

@@ -9,8 +9,8 @@ from parallel_lib.pipeline_parallel import check_blocking, make_schedule
 from parallel_lib.pipeline_parallel.process import ProcessConfig, mlp_and_batch, run_pipeline_ranks
 from parallel_lib.runtime.launcher import launch
 
-ALL = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv"]
-NEEDS_DEFERRED = {"interleaved", "zbv"}
+ALL = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+NEEDS_DEFERRED = {"interleaved", "zbv", "dualpipev"}
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])

@@ -21,7 +21,7 @@ import torch
 __all__ = ["Event", "TimelineRecorder", "synchronize_devices", "DeviceClock", "lanes", "makespan", "busy_time", "max_concurrency",
            "idle_fraction"]
 
-KINDS = ("forward", "backward", "comm")
+KINDS = ("forward", "backward", "comm", "prefill", "decode")  # the last two: serving (ch. 09)
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Event:
 
     Attributes:
         lane: where the work ran: a device ("cuda:1"), a stage ("stage 0") or a rank ("rank 1").
-        kind: "forward", "backward" or "comm".
+        kind: "forward", "backward" or "comm"; "prefill" or "decode" for a request being served.
         micro_batch: index of the micro-batch (pipeline) or step; None when not applicable.
         start: seconds since the recorder's zero.
         end: seconds since the recorder's zero, ``end >= start``.

@@ -14,10 +14,9 @@ from parallel_lib.data_parallel.dp import (
     prepare_replica,
     run_dp,
     run_dp_many,
-    single_process_reference,
-    summarize,
     train_replica,
 )
+from parallel_lib.data_parallel.dp_reference import single_process_reference, summarize
 from parallel_lib.data_parallel.ring import (
     Phase,
     RingStep,

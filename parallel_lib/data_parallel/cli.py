@@ -20,7 +20,8 @@ import torch
 
 from parallel_lib.common.cli import add_config_flags
 from parallel_lib.data import check_global_batch
-from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, DPResult, run_dp, summarize
+from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, DPResult, run_dp
+from parallel_lib.data_parallel.dp_reference import summarize
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
 

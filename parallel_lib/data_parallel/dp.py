@@ -12,7 +12,7 @@ ranks would not train like one process on the same global batch. Here every rank
 first all-reduces its token count (one 8-byte message) and divides its loss sum by
 ``global_tokens / world_size``; the gradient *mean* over ranks that every sync
 method computes is then exactly the gradient of the global batch's token mean.
-:func:`single_process_reference` trains one process on those global batches with
+:func:`~parallel_lib.data_parallel.dp_reference.single_process_reference` trains one process on those global batches with
 the plain ``parallel_lib.common.training.train`` loop, and the two agree to float precision.
 
 **Timing.** Every clock read first waits for this rank's own device
@@ -34,7 +34,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,16 +43,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder, synchronize_devices
-from parallel_lib.common.training import TrainRecord, evaluate, train, weighted_cross_entropy
+from parallel_lib.common.training import TrainRecord, evaluate, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
-from parallel_lib.data.partition import global_batch_indices, partition_dataset
+from parallel_lib.data.partition import partition_dataset
 from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
 from parallel_lib.data_parallel.allreduce import BucketedAllReduce, average_gradients
 from parallel_lib.data_parallel.ring import ring_all_reduce
 from parallel_lib.runtime.device import rank_device
 
 __all__ = ["SYNC_METHODS", "PHASES", "DPConfig", "DPResult", "prepare_replica", "run_dp", "run_dp_many",
-           "train_replica", "single_process_reference", "summarize"]
+           "train_replica"]
 
 SYNC_METHODS = ("none", "naive", "bucketed", "ring", "ddp")
 # where a step's time goes on one rank (``DPResult.local.phases``); gc overlaps the others
@@ -290,35 +290,3 @@ def run_dp(rank: int, world_size: int, config: DPConfig = DPConfig()) -> DPResul
 def run_dp_many(rank: int, world_size: int, configs: Sequence[DPConfig]) -> list[DPResult]:
     """:func:`run_dp` for each config in turn, in one launch (starting ranks costs seconds)."""
     return [run_dp(rank, world_size, config) for config in configs]
-
-
-def single_process_reference(world_size: int, config: DPConfig) -> tuple[TrainRecord, dict[str, torch.Tensor]]:
-    """One process training on the global batches that ``world_size`` ranks see together.
-
-    Step k's batch is every rank's batch k, in rank order (``global_batch_indices``),
-    trained with the plain ``parallel_lib.common.training.train`` loop and its token-mean loss.
-
-    Returns:
-        (the per-step record, the final ``state_dict`` on the CPU).
-    """
-    model, optimizer, pairs, collate = prepare_replica(config, torch.device("cpu"))
-    record = TrainRecord()
-    for epoch in range(config.epochs):
-        steps = global_batch_indices(pairs, world_size, config.batch_size, seed=config.data_seed, epoch=epoch)
-        batches = [collate([pairs[i] for i in indices]) for indices in steps[:config.max_steps]]
-        record.extend(train(model, optimizer, batches, progress=False))
-    return record, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def summarize(results: Sequence[DPResult], warmup: int = 2) -> dict[str, Any]:
-    """The numbers a reader compares between runs, from every rank's result.
-
-    ``tokens_per_sec`` is the job's record's :meth:`~parallel_lib.common.training.TrainRecord.throughput`
-    after ``warmup`` steps: NaN for a run no longer than its warm-up (``main`` says so in words).
-    """
-    first = results[0]
-    return dict(sync=first.config.sync, world_size=first.world_size, model=first.model, device=first.device,
-                steps=first.record.steps, tokens_per_sec=first.record.throughput(skip=warmup),
-                epoch_times=[max(r.epoch_times[e] for r in results) for e in range(len(first.epoch_times))],
-                final_loss=first.record.final_loss, val_loss=[r.val_loss for r in results],
-                ranks_identical=len({r.checksum for r in results}) == 1)

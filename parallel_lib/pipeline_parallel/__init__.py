@@ -15,6 +15,7 @@ from parallel_lib.pipeline_parallel.microbatch import (
     split_like,
 )
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b, zb_h1, zb_h2, zbv
+from parallel_lib.pipeline_parallel.dualpipe import dualpipev
 from parallel_lib.pipeline_parallel.hangs import check_blocking, check_schedule, hang_gallery, parse_schedule
 from parallel_lib.pipeline_parallel.pipe import Pipe, StageError
 from parallel_lib.pipeline_parallel.schedule import (
@@ -69,6 +70,7 @@ __all__ = [
     "zb_h1",
     "zb_h2",
     "zbv",
+    "dualpipev",
     "check_blocking",
     "check_schedule",
     "hang_gallery",

@@ -10,15 +10,20 @@ the hang gallery shows it deadlock).
 
 Zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward is
 split into B (gradient of the stage's input: the previous stage waits for it) and W (gradient
-of the weights: nobody waits, so W can be put off into what would be idle time). They are
-built here as the paper's heuristic builds them: replay the pipeline with equal unit costs
-and let each rank, when free, run a ready B, else a forward if it holds fewer than its limit
-of micro-batches, else its oldest pending W. The limit is the memory the schedule is allowed:
+of the weights: nobody waits, so W can be put off into what would be idle time). The memory a
+schedule may hold decides how much idle time W can fill:
 
-- ZB-H1 is the paper's hand-drawn order (:func:`zb_h1`): 1F1B's peak memory, bubble ``(p-1)/(3m)`` with equal costs;
-- ZB-H2: every rank holds at most 2p - 1 micro-batches (about twice 1F1B); no bubble inside any rank's span;
-- ZBV: two stages per rank in a V (rank r holds stages r and 2p-1-r), each rank at most 2p stage-activations,
-  i.e. p micro-batches of its whole share, the memory of 1F1B's first rank.
+- ZB-H1, the paper's hand-drawn order (:func:`zb_h1`): 1F1B's peak memory, bubble ``(p-1)/(3m)`` with equal costs;
+- ZB-H2: every rank holds at most 2p - 1 micro-batches (about twice 1F1B); no bubble inside any rank's span.
+  Built as the paper's heuristic builds it (:func:`greedy_zero_bubble`): replay with unit costs, each
+  free rank runs a ready B, else a forward under its memory limit, else its oldest pending W;
+- ZB-V, the paper's V schedule (:func:`zbv`): two stages per rank in a V (rank r holds stages r and
+  2p-1-r), each rank at most 2p half-stage activations (p micro-batches, 1F1B's first rank's peak) and
+  no bubble for ``m >= 2p-1`` with equal costs. The authors' comparison (README of
+  sail-sg/zero-bubble-pipeline-parallelism, T_F = T_B = T_W): bubble 1F1B (p-1)/m, ZB-H1 (p-1)/(3m),
+  ZB-H2 0, ZB-V 0; activation memory 1x, 1x, 2x, 1x of 1F1B; pipeline communication 1x, 1x, 1x, 2x.
+
+DualPipeV, the other V schedule, is in :mod:`parallel_lib.pipeline_parallel.dualpipe`.
 """
 
 from __future__ import annotations
@@ -179,15 +184,73 @@ def zb_h2(p: int, m: int) -> Schedule:
 
 
 def zbv(p: int, m: int) -> Schedule:
-    """ZBV: two stages per rank in a V, each rank at most 2p stage-activations (p micro-batches).
+    """ZB-V, the zero-bubble paper's V schedule (Qi et al. 2024, section 6; ``ScheduleZBVZeroBubble``'s order).
 
-    The greedy order at this memory leaves a small bubble (0.0625 for p=4, m=8 with equal costs);
-    the paper's hand-drawn ZB-V reaches 0 (see the comparison with ``torch.distributed.pipelining``).
+    Rank r holds model stages ``r`` (down the V) and ``2p-1-r`` (back up). Its list, built for
+    ``n = max(m, 2p-1)`` micro-batches and then stripped of every action on a micro-batch ``>= m``:
+
+    1. warm-up: ``2(p-r)-1`` forwards on the first stage, then r pairs (second stage, first stage):
+       rank r starts half a stage after rank r-1, and its second stage's first input comes back
+       up the V exactly when the pairs end;
+    2. ``p-r`` times F, B, W on the second stage: its backward starts at once (the loss is on rank 0);
+    3. steady state: F, B, W on the first stage, then F, B, W on the second, until the forwards run out;
+    4. cool-down: r pairs of B (first stage, second stage) with their W put off, then ``p-r`` times
+       B then the oldest W on the first stage, then the put-off W: second stage first, then first.
+
+    Zero bubble needs equal F, B and W costs and ``m >= 2p-1``: then no rank idles inside its
+    span (a parallelogram of half-stage steps: the whole step is ``(p-1)/(6m)`` longer than the
+    ideal when each step starts cold). Every rank holds at most 2p half-stage activations, p
+    micro-batches of its whole share: 1F1B's first rank's peak (the paper's ``p·M_B``), on every rank.
     """
-    return greedy_zero_bubble("zbv", p, m, v_placement(p), [2 * p] * p)
+    _check_sizes(p, m)
+    n = max(m, 2 * p - 1)
+    ranks = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        f = {down: 0, up: 0}  # next micro-batch per stage and kind
+        b = {down: 0, up: 0}
+        put_off: list[Action] = []  # weight gradients of the cool-down's B, run last
+        actions: list[Action] = []
+
+        def run(kind: str, s: int, weight: bool = True, later: bool = False) -> None:
+            counter = f if kind == "F" else b
+            actions.append(Action(kind, counter[s], s))  # type: ignore[arg-type]
+            if kind == "B" and weight:
+                actions.append(Action("W", counter[s], s))
+            elif kind == "B" and later:
+                put_off.append(Action("W", counter[s], s))
+            counter[s] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            run("F", down)
+        for _ in range(r):
+            run("F", up)
+            run("F", down)
+        for _ in range(p - r):
+            run("F", up)
+            run("B", up)
+        while f[down] < n or f[up] < f[down]:
+            if f[down] < n:
+                run("F", down)
+            run("B", down)
+            run("F", up)
+            run("B", up)
+        for _ in range(r):
+            run("B", down, weight=False, later=True)
+            run("B", up, weight=False, later=True)
+        for _ in range(p - r):  # B on the first stage, then its oldest put-off W
+            run("B", down, weight=False, later=True)
+            oldest = min((a for a in put_off if a.stage == down), key=lambda a: a.micro_batch)
+            put_off.remove(oldest)
+            actions.append(oldest)
+        actions += sorted(put_off, key=lambda a: (a.stage != up, a.micro_batch))
+        ranks.append(tuple(a for a in actions if a.micro_batch < m))
+    return Schedule("zbv", p, m, tuple(ranks), v_placement(p))
 
 
 register_schedule("interleaved", interleaved_1f1b, virtual=2)
 register_schedule("zb-h1", zb_h1)
 register_schedule("zb-h2", zb_h2)
 register_schedule("zbv", zbv, virtual=2)
+
+from parallel_lib.pipeline_parallel import dualpipe as _dualpipe  # noqa: E402,F401  (registers "dualpipev")

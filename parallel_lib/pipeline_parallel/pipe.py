@@ -97,8 +97,8 @@ class Pipe(nn.Module):
         chunks: number of micro-batches (default 1); give this or ``split_size``.
         split_size: rows per micro-batch instead of ``chunks``.
         schedule: what :meth:`train_step` runs (forward passes are the same): "gpipe", "1f1b",
-            "zb-h1", "zb-h2" (backward split into B and W), or "interleaved" and "zbv", which cut
-            the layers into 2 stages per device (interleaved: stage s on device s % p; zbv: a V).
+            "zb-h1", "zb-h2" (backward split into B and W), or "interleaved", "zbv" and "dualpipev",
+            which cut the layers into 2 stages per device (interleaved: stage s on device s % p; the others a V).
         checkpoint: activation recomputation, as torchgpipe offers it: "never", "except_last"
             (every micro-batch but the last keeps only its input and runs its forward again at
             backward time) or "always".

@@ -128,7 +128,7 @@ def layout(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap], schedu
     if isinstance(devices, dict):
         raise ValueError(f"schedule={schedule!r} places {stages_per_rank(schedule)} stages on each device "
                          f"itself: give a list of devices, not a device map")
-    placement = make_schedule(schedule, len(keys), len(keys)).placement
+    placement = make_schedule(schedule, len(keys), 2 * len(keys)).placement  # an m every schedule accepts (DualPipeV: m >= 2p)
     _, stage_layers = split_layers(n_layers, [keys[r] for r in placement], "layers")
     return keys, stage_layers, placement
 

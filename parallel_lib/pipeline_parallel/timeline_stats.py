@@ -1,4 +1,4 @@
-"""Reading a pipeline's timeline (measured or simulated): activations in flight, stage costs.
+"""Reading a pipeline's timeline (measured or simulated): activations in flight, stage costs, dispatch overheads.
 
 Both take the events of :func:`~parallel_lib.pipeline_parallel.schedule.simulate` or of a
 :class:`~parallel_lib.pipeline_parallel.Pipe`'s ``timeline``, on lanes ``"stage j"``.
@@ -10,9 +10,9 @@ import statistics
 from typing import Iterable, Optional
 
 from parallel_lib.common.timeline import Event
-from parallel_lib.pipeline_parallel.schedule import StageCost, stage_lane
+from parallel_lib.pipeline_parallel.schedule import Schedule, StageCost, stage_lane
 
-__all__ = ["in_flight", "stage_costs_from_events"]
+__all__ = ["in_flight", "stage_costs_from_events", "dispatch_overheads"]
 
 
 def in_flight(events: Iterable[Event], time: float) -> list[int]:
@@ -58,3 +58,38 @@ def stage_costs_from_events(events: Iterable[Event], p: int) -> list[StageCost]:
             pair.append(statistics.median(durations))
         costs.append((pair[0], pair[1]))
     return costs
+
+
+def dispatch_overheads(events: Iterable[Event], schedule: Schedule) -> tuple[float, float]:
+    """``(gap, hop)``: median idle time before a rank's action that the simulator does not model.
+
+    ``gap``: between two actions of a rank when the second one needs nothing from another rank
+    (handing the next task to the rank's thread, scheduling it); ``hop``: from the end of another
+    rank's action to the start of the one waiting for its output, when that output came after the
+    rank's previous action ended (the message, and the same hand-over). On a simulated timeline
+    they are 0 and ``comm``.
+    Medians, so a few long stalls of a loaded machine do not count. Feeding them to the simulator
+    (each action ``gap`` longer, ``comm = hop - gap``) compares a measured bubble with one that
+    has the same per-action overheads.
+    """
+    events = list(events)
+    n, place = schedule.num_model_stages, schedule.placement
+
+    def key(e: Event) -> tuple[str, int, int]:
+        words = e.label.split()
+        stage = int(words[-1][1:]) if words and words[-1][:1] == "s" else int(e.lane.split()[-1])
+        return ("W" if words[:1] == ["W"] else "F" if e.kind == "forward" else "B"), stage, e.micro_batch
+
+    ends = {key(e): e.end for e in events}
+    gaps, hops = [], []
+    for j in range(schedule.num_stages):
+        lane = sorted((e for e in events if e.lane == stage_lane(j)), key=lambda e: e.start)
+        for before, e in zip(lane, lane[1:]):
+            kind, s, i = key(e)
+            dep = ("F", s - 1, i) if kind == "F" and s > 0 else ("B", s + 1, i) if kind == "B" and s + 1 < n else None
+            if dep is None or place[dep[1]] == j:  # every input made on this rank, before
+                gaps.append(e.start - before.end)
+            elif dep in ends and ends[dep] >= before.end:  # the other rank's output came last
+                hops.append(e.start - ends[dep])
+            # else: the message arrived while the rank was busy: how long it took is not seen
+    return (statistics.median(gaps) if gaps else 0.0), (statistics.median(hops) if hops else 0.0)

@@ -37,21 +37,30 @@ def from_torch_actions(name: str, orders: Sequence[Sequence[Any]], m: int,
                        placement: Optional[Sequence[int]] = None) -> Schedule:
     """A :class:`Schedule` from PyTorch's per-rank orders (strings or its ``_Action``; None entries skipped).
 
+    PyTorch's whole backward ``B`` is our B; in a schedule that splits other backwards (DualPipeV)
+    it becomes B then W back to back. An overlapped ``F&B`` pair becomes its F then its backward.
+
     Raises:
         ValueError: an action that is not ``{stage}{F|I|W|B}{micro-batch}`` (PyTorch's
-            communication actions and overlapped pairs are expanded or refused by name).
+            communication actions are refused by name).
     """
     p = len(orders)
+    texts = [[text for item in order for text in _flatten(item)] for order in orders]
+    for r, order in enumerate(texts):
+        bad = next((text for text in order if _ACTION.match(text) is None), None)
+        if bad is not None:
+            raise ValueError(f"rank {r}: action {bad!r} is not {{stage}}{{F|I|W|B}}{{micro-batch}}")
+    # a schedule that splits some backwards (DualPipeV) runs a whole one as B then W at once
+    split = any(_ACTION.match(text)[2] in "IW" for order in texts for text in order)  # type: ignore[index]
     ranks = []
-    for r, order in enumerate(orders):
+    for order in texts:
         actions = []
-        for item in order:
-            for text in _flatten(item):
-                match = _ACTION.match(text)
-                if match is None:
-                    raise ValueError(f"rank {r}: action {text!r} is not {{stage}}{{F|I|W|B}}{{micro-batch}}")
-                s, kind, i = int(match[1]), match[2], int(match[3])
-                actions.append(Action({"F": "F", "I": "B", "B": "B", "W": "W"}[kind], i, s))  # type: ignore[arg-type]
+        for text in order:
+            match = _ACTION.match(text)
+            s, kind, i = int(match[1]), match[2], int(match[3])  # type: ignore[index]
+            actions.append(Action("F" if kind == "F" else "W" if kind == "W" else "B", i, s))
+            if kind == "B" and split:
+                actions.append(Action("W", i, s))
         ranks.append(tuple(actions))
     place = tuple(placement) if placement is not None else tuple(range(p))
     if place == tuple(range(p)):

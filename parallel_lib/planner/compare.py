@@ -34,7 +34,7 @@ from parallel_lib.common.training import TrainRecord, forward_loss, train, weigh
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
 from parallel_lib.data_parallel.dp import DPConfig, run_dp
-from parallel_lib.data_parallel.dp import summarize as summarize_dp
+from parallel_lib.data_parallel.dp_reference import summarize as summarize_dp
 from parallel_lib.model_parallel.device_map import get_device_map
 from parallel_lib.model_parallel.memory import memory_report, training_memory
 from parallel_lib.model_parallel.placing import parallelize, placement

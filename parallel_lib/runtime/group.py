@@ -141,6 +141,10 @@ def process_group(info: RankInfo, backend: str, timeout: float,
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timedelta(seconds=timeout))
     try:
+        # gloo's rendezvous can return on one rank while a peer is still connecting to it; a rank
+        # that finished at once would then close its sockets under that peer ("Connection closed
+        # by peer"). One barrier means every rank has joined before any starts its work.
+        dist.barrier(device_ids=[info.local_rank]) if backend == "nccl" else dist.barrier()
         yield
     finally:  # even when fn raises, so the next run in this process starts clean
         dist.destroy_process_group()

@@ -10,9 +10,12 @@ port the first one left behind. ``launch`` fixes each of these:
   a port the operating system picks, listening on 127.0.0.1 only
   (:mod:`parallel_lib.runtime.group`), and holds it until the launch ends, so two
   launches in a row or two notebooks at once never meet, and nobody else can;
-- ranks start with the ``spawn`` method, which works from a Jupyter kernel; the job
-  is pickled here, and an object a spawned rank cannot import (defined in a notebook
-  cell) is named before any rank starts (:mod:`parallel_lib.runtime.payload`);
+- ranks start with the ``forkserver`` method (``spawn`` where there is none, on Windows),
+  which works from a Jupyter kernel: each rank is a fresh process that imports the job's
+  modules, but forked from a server that imported torch once, so a rank starts in a
+  fraction of a second instead of seconds. The job is pickled here, and an object a rank
+  cannot import (defined in a notebook cell) is named before any rank starts
+  (:mod:`parallel_lib.runtime.payload`);
 - each rank sends back its return value, or its traceback, over its own pipe
   (:mod:`parallel_lib.runtime.spawned`). The first error is raised in the caller as a
   ``RankError`` naming the rank and what the symptom usually means
@@ -48,6 +51,25 @@ from parallel_lib.runtime.supervise import STOP_GRACE_S, collect, stop
 
 __all__ = ["RankError", "LaunchTimeoutError", "RankInfo", "BACKENDS", "launch", "run_torchrun", "run", "is_torchrun",
            "resolve_backend"]
+
+
+# Imported once, by the fork server; only third-party modules, so that the course's modules
+# and the reader's own worker files are imported afresh by every rank (an edit is picked up
+# by the next launch, as with ``spawn``).
+PRELOAD = ("torch", "torch.distributed", "transformers.models.gpt2.modeling_gpt2")
+
+
+def rank_context() -> Any:
+    """The multiprocessing context ranks start from: a fork server with ``PRELOAD``, else spawn.
+
+    Never plain ``fork``: forking a process that has started threads (a Jupyter kernel, an
+    OpenMP pool, a CUDA context) can leave locks held forever in the child.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: it has them
+    return context
 
 
 def _check_fn(fn: Any) -> None:
@@ -107,17 +129,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be an address such as '127.0.0.1', got host={host!r}")
     backend = resolve_backend(backend, world_size)
-    job = Job(fn, args, world_size, backend, host, float(timeout), float(startup_timeout), threads_per_rank)
+    job = Job(fn, args, world_size, backend, host, float(timeout), float(startup_timeout), threads_per_rank,
+              tuple(os.environ.items()))
     payload, main_names = pack_job(job)  # raises before anything starts
     # the rendezvous store lives here, on a port the OS picked and that stays ours until the end
     store = loopback_store(host, startup_timeout)
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
+    # a spawned rank's parent is this process; a forked one's is the fork server, which exits with us
+    parent_pid = os.getpid() if context.get_start_method() == "spawn" else None
     procs: list[Any] = []
     conns: list[multiprocessing.connection.Connection] = []
     try:
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
-            proc = context.Process(target=rank_main, args=(payload, rank, store.port, sender, os.getpid()),
+            proc = context.Process(target=rank_main, args=(payload, rank, store.port, sender, parent_pid),
                                    name=f"rank{rank}")
             conns.append(receiver)
             proc.start()

@@ -36,6 +36,9 @@ class Job:
     timeout: float           # seconds for the run, and the collectives' own timeout
     startup_timeout: float   # seconds to reach the store and join the group
     threads_per_rank: int | None
+    # the caller's environment at launch: a rank forked from a fork server would otherwise see
+    # the server's, frozen when it started (spawned ranks inherit the caller's as it is now)
+    environment: tuple[tuple[str, str], ...] = ()
 
 
 class _CPUPickler(pickle.Pickler):

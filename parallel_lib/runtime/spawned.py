@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -34,13 +35,17 @@ _PARENT_POLL_S = 0.25  # how often a rank checks that its caller is still alive
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int | None = None) -> None:
     """End this process as soon as ``parent_pid`` is no longer its parent (the parent died).
 
     On Linux the kernel delivers SIGKILL at the parent's death (``PR_SET_PDEATHSIG``), even
     while this process is stuck in C code; everywhere, a daemon thread also polls the
-    parent id, which changes when the process is re-parented.
+    parent id, which changes when the process is re-parented. ``None`` watches whatever the
+    parent is now: a fork server, which itself exits when the caller that started it dies.
     """
+    if parent_pid is None:
+        parent_pid = os.getppid()
+        _let_fork_server_exit()
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -57,13 +62,35 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=poll, name="parent-watch", daemon=True).start()
 
 
+def _let_fork_server_exit() -> None:
+    """Close this rank's copy of the fork server's "alive" pipe.
+
+    The server exits when no process holds that pipe's write end any more, and it hands a
+    copy to every child it forks: left open, the ranks would keep the server alive after the
+    caller died, and the server (their parent) would keep them alive in turn. Closed, the
+    caller's death ends the server, and the server's death ends the ranks (above). A rank
+    that launches ranks itself starts a fork server of its own.
+    """
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 def _send(conn: multiprocessing.connection.Connection, status: str, value: Any) -> None:
     conn.send_bytes(dumps((status, value, time.time())))
 
 
 def rank_main(payload: bytes, rank: int, port: int, conn: multiprocessing.connection.Connection,
-              parent_pid: int) -> None:
-    """Body of a spawned rank: load the job, join the group, run ``job.fn``, report each step."""
+              parent_pid: int | None) -> None:
+    """Body of a spawned rank: load the job, join the group, run ``job.fn``, report each step.
+
+    ``parent_pid``: the caller's pid for a spawned rank, None for one forked by a fork server.
+    """
     watch_parent(parent_pid)
     try:
         try:
@@ -72,6 +99,9 @@ def rank_main(payload: bytes, rank: int, port: int, conn: multiprocessing.connec
             _send(conn, "job", traceback.format_exc())
             return
         info = RankInfo(rank, job.world_size, rank, job.world_size)
+        if job.environment:  # the caller's, as a spawned rank would have inherited it
+            os.environ.clear()
+            os.environ.update(job.environment)
         os.environ.update(info.env(), MASTER_ADDR=job.host, MASTER_PORT=str(port))
         if job.backend == "gloo":  # never try an external interface: every rank is on this host
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()

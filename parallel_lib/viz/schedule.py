@@ -35,7 +35,7 @@ W_COLOUR = "#8172B3"  # the weight gradient of a split backward
 # a rank's second model stage (interleaved, V): the same colours, lighter
 SECOND_STAGE = {"forward": "#9DB4DA", "backward": "#EDB896", "W": "#B8AED6"}
 WIDGET_SCHEDULES = [("GPipe", "gpipe"), ("1F1B", "1f1b"), ("interleaved", "interleaved"), ("ZB-H1", "zb-h1"),
-                    ("ZB-H2", "zb-h2"), ("ZBV", "zbv")]
+                    ("ZB-H2", "zb-h2"), ("ZBV", "zbv"), ("DualPipeV", "dualpipev")]
 _CH04 = ("gpipe", "1f1b")  # the schedules chapter 04's formula (p−1)/(m+p−1) is about
 
 

@@ -19,7 +19,8 @@ from parallel_lib.common.timeline import lanes as lanes_of
 
 __all__ = ["KIND_COLORS", "plot_timeline"]
 
-KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "comm": "#55A868"}
+KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "comm": "#55A868", "prefill": "#8172B3",
+               "decode": "#64B5CD"}
 
 
 def plot_timeline(

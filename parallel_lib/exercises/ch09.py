@@ -1,0 +1,118 @@
+"""Exercises for chapter 09: the largest batch a KV-cache budget holds, and a committed prediction of a
+pipeline's throughput at 1 and 4 requests (the notebook then measures it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parallel_lib.exercises._core import Case, CheckResult, Exercise, as_int, as_number, check_function, check_value
+from parallel_lib.inference.cost_model import Hardware, Workload, predict
+from parallel_lib.inference.serving_memory import kv_cache_bytes
+from parallel_lib.model_parallel.layer_memory import DecoderShape
+
+__all__ = ["check_largest_batch", "check_pipeline_throughput", "EXERCISES", "PIPELINE_SOLUTION"]
+
+LARGEST_BATCH_STUB = '''\
+def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
+    """How many requests of seq_len tokens each can keep their KV cache within kv_budget_bytes on ONE
+    tensor-parallel rank (tp ranks split the KV heads; with more ranks than KV heads, each rank keeps one)?
+    kv_heads < n_heads is grouped-query attention. Return a whole number."""
+    ...  # your code here
+'''
+
+PIPELINE_STUB = '''\
+# A 2-stage pipeline (pp) serves requests in groups, at most one group per stage (4 requests: 2 groups of 2).
+# Suppose a stage's step takes the same time t whatever the size of the group (overhead-bound, as on this
+# CPU) and hand-overs are free. In steady decoding, how many tokens per t does the whole pipeline
+# deliver with 1 request in flight, and with 4?  Commit to your numbers; the cell after the check shows
+# what this machine measured in section 3.
+PIPELINE_THROUGHPUT = None  # your answer: (tokens per t at 1 request, tokens per t at 4 requests)
+'''
+
+PIPELINE_SOLUTION = (0.5, 2.0)
+
+
+def _kv_shape(n_layers: int, n_heads: int, kv_heads: int, head_dim: int) -> DecoderShape:
+    return DecoderShape(1, n_heads * head_dim, n_layers, 4 * n_heads * head_dim, n_heads, kv_heads, False)
+
+
+def _largest(budget: int, n_layers: int, n_heads: int, kv_heads: int, head_dim: int, seq_len: int, width: int,
+             tp: int) -> int:
+    """The library's answer: the budget over one request's cache on a rank (serving_memory.kv_cache_bytes)."""
+    dtype = {2: "fp16", 4: "fp32"}[width]
+    return budget // kv_cache_bytes(_kv_shape(n_layers, n_heads, kv_heads, head_dim), seq_len, dtype, tp=tp)
+
+
+def solution_largest_batch(kv_budget_bytes: int, n_layers: int, n_heads: int, kv_heads: int, head_dim: int,
+                           seq_len: int, bytes_per_element: int, tp: int) -> int:
+    heads_here = max(kv_heads // tp, 1)  # a rank keeps its share of the KV heads, or one copy of its head
+    per_request = 2 * n_layers * heads_here * head_dim * bytes_per_element * seq_len  # a K and a V per head
+    return kv_budget_bytes // per_request
+
+
+def check_largest_batch(fn: Any) -> CheckResult:
+    """Check ``largest_batch`` against :func:`parallel_lib.inference.serving_memory.kv_cache_bytes`."""
+    gib = 2**30
+    shapes = [(64 * gib, 32, 32, 32, 128, 4096, 2, 1),    # LLaMA-2-7B: 2 GiB per 4k request
+              (gib, 32, 32, 32, 128, 4096, 2, 1),         # not even one request
+              (10**9, 4, 4, 4, 16, 128, 4, 2),            # the tiny GPT-2, fp32, 2 ranks
+              (64 * gib, 80, 64, 8, 128, 4096, 2, 1),     # LLaMA-2-70B: 8 KV heads
+              (64 * gib, 80, 64, 8, 128, 4096, 2, 4),
+              (64 * gib, 80, 64, 8, 128, 4096, 2, 16)]    # more ranks than KV heads
+    cases = [Case(shape, _largest(*shape)) for shape in shapes]
+
+    def hint(args: tuple, got: Any) -> str:
+        budget, layers, heads, kv_heads, d, s, width, tp = args
+        expected = _largest(*args)
+        if isinstance(got, int) and got == budget // (layers * max(kv_heads // tp, 1) * d * width * s):
+            return "a layer caches a key AND a value vector per KV head and token: a factor 2"
+        as_if_all_heads = _largest(budget, layers, heads, heads, d, s, width, tp)
+        if isinstance(got, int) and kv_heads != heads and got == as_if_all_heads:
+            return "grouped-query attention caches kv_heads heads, not n_heads: the query heads share them"
+        if isinstance(got, int) and tp > 1 and got == _largest(budget, layers, heads, kv_heads, d, s, width, 1):
+            return "each tensor-parallel rank keeps only its own KV heads"
+        if expected == 0 and got != 0:
+            return "one request's cache is larger than the budget: not even one fits"
+        return "budget // (2 · layers · KV heads on this rank · head_dim · bytes · seq_len)"
+    return check_function("largest_batch", fn, "largest_batch", cases, normalise=as_int, hint=hint)
+
+
+def _pipeline_reference() -> tuple[float, float]:
+    """Tokens per unit step time of a 2-stage pipeline at 1 and 4 requests, from the cost model itself."""
+    shape = DecoderShape(8, 64, 2, 256, 1, 1, True, 8)
+    # compute and memory free, hand-overs free, one time unit per stage step (one layer per stage)
+    hw = Hardware("unit stages", 1e30, 1e30, 0.0, 1e30, 0.0, overhead=1.0)
+    return tuple(c / predict(shape, "pp", 2, Workload(1, 2, c), hw).tpot for c in (1, 4))  # type: ignore[return-value]
+
+
+def check_pipeline_throughput(answer: Any) -> CheckResult:
+    """The committed prediction against the cost model's steady-state answer."""
+    expected = _pipeline_reference()
+
+    def normalise(value: Any) -> tuple[float, float]:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+            raise TypeError("a pair (tokens per t at 1 request, tokens per t at 4 requests)")
+        return as_number(value[0]), as_number(value[1])
+
+    def compare(want: tuple[float, float], got: tuple[float, float]) -> Any:
+        return None if all(abs(a - b) < 1e-6 for a, b in zip(want, got)) else f"expected {want}, got {got}"
+
+    def hint(got: tuple[float, float]) -> str:
+        if abs(got[0] - 1.0) < 1e-6:
+            return "one request's token must cross both stages before its next token can start: 2t per token"
+        if abs(got[1] - 4.0) < 1e-6 or abs(got[1] - 8.0) < 1e-6:
+            return "at most one group per stage: 4 requests make 2 groups of 2, and each group still needs 2t per token"
+        if abs(got[1] - got[0] * 2) < 1e-6 or abs(got[1] - 1.0) < 1e-6:
+            return ("while stage 1 works on group 0, stage 0 works on group 1: both stages are busy, and each "
+                    "group step yields 2 tokens")
+        return "count the tokens leaving the last stage during 2t, with both stages busy"
+    return check_value("pipeline_throughput", answer, "PIPELINE_THROUGHPUT", expected, normalise=normalise,
+                       compare=compare, hint=hint)
+
+
+EXERCISES = [
+    Exercise("largest_batch", check_largest_batch, LARGEST_BATCH_STUB, solution_largest_batch,
+             "How many requests fit a KV-cache budget on one rank?"),
+    Exercise("pipeline_throughput", check_pipeline_throughput, PIPELINE_STUB, PIPELINE_SOLUTION,
+             "Predict a 2-stage pipeline's throughput at 1 and 4 requests, before measuring it."),
+]

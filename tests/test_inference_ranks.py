@@ -1,0 +1,76 @@
+"""Serving on ranks (chapter 09): dp, pp and tp on two gloo ranks give the single engine's tokens.
+
+One launch runs the three strategies one after another (starting ranks is the slow part);
+the checks on each come from the same run. The command line is tested in one process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from parallel_lib.inference import Request, ServeConfig, kv_cache_bytes, serve, serve_many
+from parallel_lib.inference.cli import main
+
+# max_batch 2: dp's ranks serve several groups each, and pp has 3 groups in flight on 2 stages
+CONFIG = ServeConfig(initializer_range=0.3, max_batch=2)
+REQUESTS = [Request([1, 2, 3, 4, 5], 5), Request([7, 8], 4), Request([9, 10, 11, 12, 13, 14, 15, 16], 5),
+            Request([3, 500], 5),  # a token id outside the vocabulary of 97: fails alone
+            Request([40, 41, 42], 5, temperature=1.0, seed=7), Request([6], 3)]
+
+
+def test_dp_pp_and_tp_on_two_ranks_give_the_single_engines_tokens():
+    runs = serve_many(REQUESTS, ["single", "dp", "pp", "tp"], 2, CONFIG, threads_per_rank=1, timeout=120)
+    single = runs["single"]
+    n_layer = CONFIG.config().n_layer
+
+    assert single.results[3].error is not None and all(r.ok for i, r in enumerate(single.results) if i != 3)
+    for name in ("dp", "pp", "tp"):
+        run = runs[name]
+        assert run.tokens == single.tokens, name
+        assert [r.error for r in run.results] == [r.error for r in single.results], name
+    # dp: each rank served its contiguous half of the requests (data.partition's rule), merged in order
+    served = [r.served_by for r in runs["dp"].results]
+    assert served == ["rank 0"] * 3 + ["", "rank 1", "rank 1"]  # request 3 was refused, by rank 1
+    # tp: every forward pass (prefill and each decoded token) is exactly 2 all-reduces per layer, nothing else
+    for rank in runs["tp"].ranks:
+        decode = [(calls, total) for step, calls, total in rank.collectives if step > 0]
+        assert decode and all(calls == total == 2 * n_layer for calls, total in decode)
+        assert rank.kv_bytes * 2 == single.ranks[0].kv_bytes  # the cache split by heads
+    # pp: each stage holds its 2 layers' cache for every group in flight (3 groups of at most 2)
+    config = CONFIG.config()
+    head_dim = config.n_embd // config.n_head
+    groups = runs["pp"].ranks[0].groups
+    assert groups == [[0, 1], [2, 4], [5]]  # request 3 refused on every stage alike
+    expected = sum(kv_cache_bytes(2, config.n_head, head_dim, max(REQUESTS[i].slots for i in g), len(g))
+                   for g in groups)
+    assert [rank.kv_bytes for rank in runs["pp"].ranks] == [expected, expected]
+    # pp: 3 groups on 2 stages; every stage ran every group's every step
+    steps = sorted((e.micro_batch, e.kind) for e in runs["pp"].ranks[0].events)
+    assert steps == sorted((e.micro_batch, e.kind) for e in runs["pp"].ranks[1].events)
+    assert {e.micro_batch for e in runs["pp"].ranks[0].events} == {0, 1, 2}
+    assert multiprocessing.active_children() == []
+
+
+def test_the_command_line_serves_and_checks_against_the_single_engine(capsys):
+    assert main(["--strategy", "mp", "--world-size", "2", "--prompts", "1 2 3", "4,5", "--max-new-tokens", "3",
+                 "--initializer-range", "0.3", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "same tokens as the single engine" in out
+    expected = serve([Request((1, 2, 3), 3, seed=0), Request((4, 5), 3, seed=1)], "single", 1,
+                     ServeConfig(initializer_range=0.3))
+    assert f"request 0: {expected.tokens[0]}" in out and f"request 1: {expected.tokens[1]}" in out
+    assert "device 1" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--strategy", "tp", "--world-size", "3"], "n_head=4 is not divisible by the tensor-parallel size tp=3"),
+    (["--prompts", "1 x"], "a prompt is token ids separated by spaces or commas"),
+    (["--prompts", "1 " * 130], "longer than the model's context n_positions=128"),
+])
+def test_the_command_line_refuses_bad_input_before_any_rank_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(argv)
+    assert excinfo.value.code == 2
+    assert message in capsys.readouterr().err
