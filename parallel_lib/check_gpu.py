@@ -121,6 +121,9 @@ register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 
                                   "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
 register_check("inference", Check("09_inference", 1, "serving on cuda:0, cuda:0..n-1 and NCCL ranks (dp, pp, tp): "
                                   "the CPU engine's tokens", check_inference))
+from parallel_lib.gpu_checks_hybrid3d import check_grid3d  # noqa: E402  (chapter 10)
+register_check("grid3d", Check("10_training_at_scale", 2, "DP x TP x PP on NCCL ranks: equivalence with one "
+                               "process, every group's traffic vs the formula", check_grid3d))
 
 
 # --------------------------------------------------------------------------- plan

@@ -217,6 +217,13 @@ def _v_schedules() -> Figure:
                             title="F = B = W = 1")
 
 
+# ----------------------------------------------------------------------------- chapter 10
+def _grid3d() -> Figure:
+    from parallel_lib.hybrid.grid3d import Grid3D
+    from parallel_lib.viz.grid3d import render_grid3d
+    return render_grid3d(Grid3D(dp=2, tp=2, pp=2))
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -241,6 +248,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("inference_roofline", "ch09", False, _inference_roofline),
     FigureSpec("inference_timelines", "ch09", True, _inference_timelines),
     FigureSpec("pipeline_v_schedules_ch08", "ch08", False, _v_schedules),
+    FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
 ]
 
 

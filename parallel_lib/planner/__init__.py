@@ -1,7 +1,10 @@
 """Choosing a strategy (chapter 05): the planner behind the decision widget, and the measured
-comparison behind the article's table 3.
+comparison behind the article's table 3; and (chapter 10) the calibrated planner: every
+dp × tp × pp layout priced from this machine's measurements (``layout``, ``search``, ``calibrate``),
+with published GPU figures and published training runs beside it (``hardware``, ``published``).
 """
 
+from parallel_lib.planner.calibrate import Calibration, load_or_calibrate
 from parallel_lib.planner.compare import CLASSIC, CompareConfig, Measured, markdown_table, measure
 from parallel_lib.planner.strategy import (
     PART_ONE,
@@ -14,6 +17,8 @@ from parallel_lib.planner.strategy import (
     plan,
     ring_bytes,
 )
+from parallel_lib.planner.layout import Layout, Priced, StepCost, price
+from parallel_lib.planner.search import LayoutPlan, plan_layouts
 
 __all__ = [
     "CompareConfig",
@@ -30,4 +35,12 @@ __all__ = [
     "fewest_stages",
     "ring_bytes",
     "p2p_bytes",
+    "Calibration",
+    "load_or_calibrate",
+    "Layout",
+    "Priced",
+    "StepCost",
+    "price",
+    "LayoutPlan",
+    "plan_layouts",
 ]

@@ -1,0 +1,229 @@
+"""The planner checked against reality: every layout it prices, run for real on this machine's gloo ranks.
+
+``python -m parallel_lib.bench planner [--quick]`` calibrates this machine
+(:func:`parallel_lib.planner.calibrate.calibrate`), then runs tiny GPT-2 (vocabulary 512, 64 tokens,
+16 sequences per step) under each layout with the chapters' own engines — ZeRO 0–3 from
+``sharding/`` (chapter 06), tensor parallelism ± sequence parallelism from ``tensor_parallel/``
+(chapter 07), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters 04, 05),
+TP×PP with and without recomputation from ``hybrid/dp_tp_pp`` (the 3D runner behind ``measure_layout``),
+one process with and without recomputation (chapter 08's measurement) — and puts measured step
+time and model-state bytes beside :func:`parallel_lib.planner.layout.price`'s prediction.
+Goals: step time within 25 %, model state within 5 %. ``--quick`` runs two layouts on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel_lib.common import tables
+from parallel_lib.common.activations import measure_step_activations
+from parallel_lib.common.machine_speed import measure_matmul_flops
+from parallel_lib.common.models import build_gpt2, gpt2_config
+from parallel_lib.data.corpus import load_corpus
+from parallel_lib.data.tokenizer import get_tokenizer
+from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid
+from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d
+from parallel_lib.planner.__main__ import describe
+from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
+from parallel_lib.planner.layout import Layout, price
+from parallel_lib.planner.model_step import step_key
+from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import launch
+from parallel_lib.sharding.train import ShardConfig, run_sharded
+from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.tensor_parallel.train import TPConfig, tp_worker
+
+__all__ = ["Row", "jobs", "run_jobs", "measure", "markdown", "main"]
+
+VOCAB, SEQ, BATCH = 512, 64, 16
+KEY = step_key("tiny", VOCAB, SEQ)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One layout: predicted beside measured (seconds per step, model-state bytes of the busiest rank)."""
+
+    layout: Layout
+    engine: str
+    predicted_seconds: float
+    measured_seconds: float
+    predicted_state: float
+    measured_state: float
+    state_how: str                    # how the state was measured
+    load: float = 1.0                 # calibration's matmul rate / the probe's just before the run
+
+    @property
+    def time_error(self) -> float:
+        return self.predicted_seconds / self.measured_seconds - 1
+
+    @property
+    def state_error(self) -> float:
+        return self.predicted_state / self.measured_state - 1
+
+
+def _hybrid_vocab(examples: int) -> int:
+    """The vocabulary chapter 05's run builds its model with (its tokenizer's size)."""
+    return len(get_tokenizer(load_corpus("train", size=examples), vocab_size=VOCAB))
+
+
+def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout, str, Any, GPTShape]]:
+    """``(layout, engine, config, model shape)`` for every layout run on ``world_size`` ranks."""
+    sharded = ShardConfig(strategy="zero", model="tiny", vocab_size=VOCAB, batch_size=BATCH, seq_len=SEQ,
+                          steps=steps, measure_step=1, return_state=False)
+    shard_shape = GPTShape.of(gpt2_config("tiny", VOCAB, n_positions=SEQ))
+    tp_shape = GPTShape.of(gpt2_config("tiny", VOCAB))
+    hybrid = HybridConfig(model="tiny", batch_size=BATCH, steps=steps, train_examples=BATCH * steps,
+                          vocab_size=VOCAB, max_length=SEQ)
+    hybrid_shape = GPTShape.of(gpt2_config("tiny", _hybrid_vocab(hybrid.train_examples)))
+
+    def zero(k: int) -> tuple[Layout, str, Any, GPTShape]:
+        return Layout(dp=world_size, zero=k), "sharding.ZeroEngine", replace(sharded, stage=k), shard_shape
+
+    def pipe(dp: int, schedule: str, m: int) -> tuple[Layout, str, Any, GPTShape]:
+        pp = world_size // dp
+        return (Layout(dp=dp, pp=pp, schedule=schedule, micro_batches=m), "hybrid.run_hybrid",
+                replace(hybrid, dp=dp, pp=pp, schedule=schedule, micro_batches=m), hybrid_shape)
+
+    def tp(t: int, sp: bool) -> tuple[Layout, str, Any, GPTShape]:
+        config = TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
+                          steps=steps, tp=t, sequence_parallel=sp, padding=False)
+        return Layout(dp=world_size // t, tp=t, sequence_parallel=sp), "tensor_parallel.tp_worker", config, tp_shape
+
+    three_d = Config3D(dp=1, tp=2, pp=2, model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH,
+                       micro_batches=4, optimizer="adamw", lr=1e-3, steps=steps)
+
+    def grid(rc: bool) -> tuple[Layout, str, Any, GPTShape]:
+        layout = Layout(tp=2, pp=2, micro_batches=4, recompute=rc)
+        return layout, "hybrid.run_3d", replace(three_d, recompute=rc), tp_shape
+
+    if quick:
+        return [zero(0), pipe(1, "1f1b", 4)]
+    if world_size == 2:
+        return [zero(0), zero(1), zero(2), zero(3), tp(2, False), tp(2, True), pipe(1, "gpipe", 4), pipe(1, "1f1b", 4)]
+    return [zero(0), zero(2), tp(2, False), pipe(2, "1f1b", 2), grid(False), grid(True)]
+
+
+def _probe() -> float:
+    """Every rank's 512 x 512 matmul rate now, averaged: how busy the machine is at this moment."""
+    torch.set_num_threads(1)
+    rate = torch.tensor(measure_matmul_flops("cpu", 512, 9))
+    dist.all_reduce(rate)
+    return float(rate) / dist.get_world_size()
+
+
+def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], repeats: int = 5, warm_up: bool = True
+             ) -> tuple[RankSpeed, list[tuple[list[float], float, float]]]:
+    """This world size's calibration, then every ``(engine, config)`` in turn on this rank.
+
+    Returns the calibration (:func:`~parallel_lib.planner.calibrate.collective_worker`, in the same
+    launch: one start-up less) and, per run, ``(step seconds, model-state bytes, probe FLOP/s)``.
+    A shared 2-core machine is busier at some moments than at others; a matmul probe before each
+    run (the calibration's own measurement, repeated) says how much, and the prediction is scaled by it.
+    """
+    speed = collective_worker(rank, world_size, SIZES, repeats)
+    out = []
+    if work and warm_up:  # a first run pays for lazy set-up (allocator, gloo pairs, kernels): one short run, not timed
+        _run(rank, world_size, work[0][0], replace(work[0][1], steps=2))
+    for engine, config in work:
+        before = _probe()
+        times, state = _run(rank, world_size, engine, config)
+        out.append((times, state, (before + _probe()) / 2))  # the machine's speed around the run
+    return speed, out
+
+
+def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[float], float]:
+    """One run with ``engine``: its step times on this rank and the model-state bytes it holds."""
+    if engine == "sharding.ZeroEngine":
+        r = run_sharded(rank, world_size, config)
+        return r.record.step_times, float(r.census.get("total", 0))
+    if engine == "tensor_parallel.tp_worker":
+        t = tp_worker(rank, world_size, config, return_state=False)
+        return t.record.step_times, 4.0 * t.parameter_bytes  # + gradients + AdamW's two moments
+    if engine == "hybrid.run_3d":
+        g = run_3d(rank, world_size, config)
+        return g.step_times, float(g.state_bytes)
+    h = run_hybrid(rank, world_size, config)
+    return h.record.step_times, float(h.state_bytes)
+
+
+def _step_time(per_rank: Sequence[Sequence[float]]) -> float:
+    """A step lasts as long as its slowest rank; the median over steps after the first (warm-up)."""
+    slowest = [max(times) for times in zip(*per_rank)]
+    return statistics.median(slowest[1:] or slowest)
+
+
+def _single(calibration: Calibration, steps: int) -> list[Row]:
+    """One process, plain and with recomputation: forward + backward time, against the compute prediction."""
+    rows = []
+    model = build_gpt2("tiny", vocab_size=VOCAB, seed=0, n_positions=SEQ)
+    shape = GPTShape.of(model.config)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for recompute in (False, True):
+            load = calibration.at(1).flops_per_second / measure_matmul_flops("cpu", 512, 5)
+            times = [measure_step_activations(model, [ids], recompute).seconds for _ in range(steps)]
+            p = price(Layout(recompute=recompute), shape, BATCH, SEQ, calibration.slowed(1, load), KEY)
+            state = 16.0 * sum(q.numel() for q in model.parameters())
+            rows.append(Row(p.layout, "activations.measure_step_activations (forward + backward only)", p.compute,
+                            statistics.median(times[1:]), p.state_bytes, state, "parameters x 16 (AdamW fp32)", load))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def measure(steps: int = 5, world_sizes: Sequence[int] = (2, 4), quick: bool = False, repeats: int = 5,
+            timeout: float = 600.0) -> tuple[Calibration, list[Row]]:
+    """Calibrate (one process here, each world size at the start of its launch), run every layout, price it."""
+    calibration = calibrate(world_sizes=(), repeats=repeats)
+    rows = [] if quick else _single(calibration, steps)
+    for n in world_sizes:
+        work = jobs(n, steps, quick)
+        launched = launch(run_jobs, n, [(engine, config) for _, engine, config, _ in work], repeats, not quick,
+                          threads_per_rank=1, timeout=timeout)
+        calibration.ranks[n] = launched[0][0]
+        results = [r for _, r in launched]
+        for k, (layout, engine, _, shape) in enumerate(work):
+            per_rank = [r[k] for r in results]
+            load = calibration.at(n).flops_per_second / per_rank[0][2]
+            p = price(layout, shape, BATCH, SEQ, calibration.slowed(n, load), KEY)
+            how = "parameters x 4 (tensors) x 4" if engine.startswith("tensor") else "tensor census"
+            rows.append(Row(layout, engine, p.step_seconds, _step_time([t for t, _, _ in per_rank]), p.state_bytes,
+                            max(s for _, s, _ in per_rank), how, load))
+    return calibration, rows
+
+
+def markdown(rows: Sequence[Row], machine: Optional[str] = None) -> str:
+    cells = [[r.layout.name, r.layout.devices, r.engine, f"{r.load:.2f}", f"{r.predicted_seconds * 1e3:.1f}",
+              f"{r.measured_seconds * 1e3:.1f}", f"{r.time_error:+.0%}", "yes" if abs(r.time_error) <= 0.25 else "NO",
+              f"{r.predicted_state / 1e6:.3f}", f"{r.measured_state / 1e6:.3f}", f"{r.state_error:+.1%}",
+              "yes" if abs(r.state_error) <= 0.05 else "NO", r.state_how] for r in rows]
+    header = ["layout", "ranks", "engine", "load", "predicted ms", "measured ms", "error", "<=25%",
+              "predicted state MB", "measured state MB", "error", "<=5%", "state measured by"]
+    within = sum(abs(r.time_error) <= 0.25 for r in rows)
+    return (f"Tiny GPT-2 (vocabulary {VOCAB}, {SEQ} tokens, {BATCH} sequences per step), measured on "
+            f"{machine or machine_label()}.\n\n" + tables.markdown_table(header, cells) +
+            f"\n\n{within} of {len(rows)} step times within 25 %; "
+            f"{sum(abs(r.state_error) <= 0.05 for r in rows)} of {len(rows)} model states within 5 %.")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench planner", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two layouts on 2 ranks, a short calibration")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.quick:
+        calibration, rows = measure(steps=2, world_sizes=(2,), quick=True, repeats=2)
+    else:
+        calibration, rows = measure(steps=args.steps)
+    print(describe(calibration))
+    print()
+    print(markdown(rows))
+    return 0

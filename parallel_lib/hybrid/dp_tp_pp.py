@@ -1,0 +1,251 @@
+"""DP × TP × PP: replicas of a pipeline whose stages are split by heads, on ``dp·tp·pp`` ranks.
+
+Rank ``grid.ranks[d, j, t]`` (:class:`~parallel_lib.hybrid.grid3d.Grid3D`) holds slice t
+of stage j of replica d (:class:`~parallel_lib.hybrid.tp_stages.TensorParallelStage`). A
+training step on it:
+
+[1] take replica d's rows of the global batch (every rank generates the same batches);
+[2] run stage j's actions of the schedule (GPipe or 1F1B, chapter 04's ``make_schedule``)
+    with chapter 05's :class:`~parallel_lib.pipeline_parallel.stage.StageRunner` and
+    :class:`~parallel_lib.pipeline_parallel.link.StageLink` (one ``batch_isend_irecv`` per
+    exchange, with slice t of the neighbouring stages); inside each forward and backward the
+    tensor-parallel group of the stage all-reduces as chapter 07 does;
+[3] sum the tied embedding's gradient between first and last stage of slice t, then
+    average the stage's gradients over its data-parallel group: chapter 05's
+    :class:`~parallel_lib.hybrid.gradients.StageGradients` (``BucketedAllReduce(group=)``);
+[4] take the optimizer step.
+
+Any axis may be 1: the same function runs pure TP or PP, DP×TP, TP×PP and DP×PP. Every
+collective of a step is counted (:func:`~parallel_lib.runtime.count_collectives`) and
+sorted by the group it ran in, for :mod:`.cost3d`'s formulas; the model state is counted
+from the tensors (:func:`~parallel_lib.model_parallel.memory.memory_report`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.models import GPT2_SIZES, build_gpt2
+from parallel_lib.common.timeline import DeviceClock
+from parallel_lib.common.training import TrainRecord
+from parallel_lib.data_parallel.ring import require_process_group
+from parallel_lib.hybrid.gradients import StageGradients
+from parallel_lib.hybrid.grid3d import Grid3D, new_groups_3d
+from parallel_lib.hybrid.tp_stages import TensorParallelStage, dense_state, stage_loss
+from parallel_lib.model_parallel.memory import memory_report
+from parallel_lib.pipeline_parallel.link import Message, StageLink, exchange_plan, wait_for
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
+from parallel_lib.runtime.device import rank_device
+from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
+from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+
+__all__ = ["Config3D", "Result3D", "run_3d", "run_3d_many", "batches_3d", "model_overrides"]
+
+
+@dataclass(frozen=True)
+class Config3D:
+    """One DP × TP × PP training run; the same on every rank."""
+
+    dp: int = 2
+    tp: int = 2
+    pp: int = 2
+    model: str = "tiny"             # a GPT2_SIZES name
+    n_layer: int = 0                # 0: the size's own depth (overrides keep the tests fast)
+    n_embd: int = 0                 # 0: the size's own width
+    vocab_size: int = 128           # divisible by tp
+    seq_len: int = 16
+    batch_size: int = 8             # GLOBAL rows per step: each replica gets batch_size / dp
+    micro_batches: int = 2          # per replica and step; must divide its rows
+    schedule: str = "1f1b"          # "gpipe" or "1f1b"
+    recompute: bool = False         # keep only each stage's input, run its forward again in backward
+    optimizer: str = "sgd"          # "sgd" (update proportional to the gradient: a wrong scale shows) or "adamw"
+    lr: float = 0.5
+    steps: int = 2
+    seed: int = 0
+    timeout: float = 60.0           # seconds any one receive or collective may wait
+    order: str = "tp-pp-dp"         # the grid's axis order, fastest first
+    return_state: bool = False      # gather the trained parameters (dense names) on slice 0 of each stage
+
+    @property
+    def grid(self) -> Grid3D:
+        return Grid3D(self.dp, self.tp, self.pp, self.order)
+
+    def check(self, world_size: Optional[int] = None) -> None:
+        """Raise ValueError, naming the field, for a run that cannot work (before any rank starts)."""
+        grid = self.grid
+        if world_size is not None and world_size != grid.world_size:
+            raise ValueError(f"dp * tp * pp must equal world_size={world_size}, got {self.dp} x {self.tp} x "
+                             f"{self.pp} = {grid.world_size}")
+        check_choice("model", self.model, sorted(GPT2_SIZES))
+        check_choice("schedule", self.schedule, sorted(SCHEDULES))
+        check_choice("optimizer", self.optimizer, ["adamw", "sgd"])
+        for name in ("batch_size", "micro_batches", "steps", "seq_len", "vocab_size"):
+            positive_int(name, getattr(self, name))
+        shape = {**GPT2_SIZES[self.model], **model_overrides(self)}
+        if self.pp > shape["n_layer"]:
+            raise ValueError(f"pp must be <= the model's {shape['n_layer']} blocks, got pp={self.pp}")
+        for name, value in (("n_head", shape["n_head"]), ("vocab_size", self.vocab_size)):
+            if value % self.tp:
+                raise ValueError(f"tp={self.tp} must divide {name}={value}")
+        if self.batch_size % (self.dp * self.micro_batches):
+            raise ValueError(f"batch_size must split into dp={self.dp} replicas of micro_batches="
+                             f"{self.micro_batches} equal micro-batches, got batch_size={self.batch_size}")
+        if self.seq_len > shape["n_positions"] or self.timeout <= 0:
+            raise ValueError(f"seq_len must be <= n_positions={shape['n_positions']} and timeout > 0, got "
+                             f"seq_len={self.seq_len}, timeout={self.timeout}")
+
+
+def model_overrides(config: Config3D) -> dict[str, int]:
+    """``build_gpt2`` overrides of the run's depth and width."""
+    return {k: getattr(config, k) for k in ("n_layer", "n_embd") if getattr(config, k)}
+
+
+def batches_3d(config: Config3D) -> list[dict[str, torch.Tensor]]:
+    """The run's global batches: chapter 07's synthetic right-padded rows (the same in every process)."""
+    return make_batches(TPConfig(model=config.model, vocab_size=config.vocab_size, batch_size=config.batch_size,
+                                 seq_len=config.seq_len, steps=config.steps, seed=config.seed))
+
+
+@dataclass
+class Result3D:
+    """What one rank measured.
+
+    ``traffic`` is one step's (the last one's) collectives by group kind ("tp", "pp", "dp",
+    "tied"): ``{collective: (calls, message bytes)}``; ``wire`` the bytes this rank sent per kind.
+    """
+
+    rank: int
+    coords: tuple[int, int, int]    # (replica d, stage j, slice t)
+    config: Config3D
+    record: TrainRecord             # loss share on the last stage (NaN elsewhere), global tokens, seconds
+    traffic: dict[str, dict[str, tuple[int, int]]]
+    wire: dict[str, float]
+    state_bytes: int                # parameters + gradients + optimizer states, from the tensors
+    num_parameters: int
+    blocks: list[int]
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def step_times(self) -> list[float]:
+        return self.record.step_times
+
+
+def _by_group(counter: CollectiveCounter, grid: Grid3D, coords: tuple[int, int, int]
+              ) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, float]]:
+    """Sort one step's calls by the group they ran in: a group is known by its ranks."""
+    d, j, t = coords
+    kinds = {tuple(grid.tp_ranks(d, j)): "tp", tuple(grid.dp_ranks(j, t)): "dp"}
+    if grid.pp > 1:
+        kinds[tuple(grid.tied_ranks(d, t))] = "tied"
+    traffic: dict[str, dict[str, tuple[int, int]]] = {"tp": {}, "pp": {}, "dp": {}, "tied": {}}
+    wire = dict.fromkeys(traffic, 0.0)
+    for call in counter.calls:
+        kind = "pp" if call.kind in ("send", "recv") else kinds.get(call.ranks, "other")
+        calls, nbytes = traffic.setdefault(kind, {}).get(call.kind, (0, 0))
+        traffic[kind][call.kind] = (calls + 1, nbytes + call.nbytes)
+        wire[kind] = wire.get(kind, 0.0) + call.wire_bytes
+    return traffic, wire
+
+
+def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, schedule: Schedule, j: int,
+          batch: dict[str, torch.Tensor], denominator: float, recompute: bool) -> float:
+    """Stage j's actions for one replica batch [2]; returns the loss share on the last stage (0 elsewhere)."""
+    m = schedule.num_micro_batches
+    ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
+    shape = lambda message: (*ids[message.micro_batch].shape, stage.model.config.n_embd)  # noqa: E731
+    exchanges = {e.before: e for e in exchange_plan(schedule, j)}
+    actions = schedule.stages[j]
+    saved: dict[int, Any] = {}
+    inbox: dict[Message, torch.Tensor] = {}
+    outbox: dict[Message, torch.Tensor] = {}
+    loss = 0.0
+    for k in range(len(actions) + 1):
+        if k in exchanges:  # what the last action produced out, what the next one needs in
+            e = exchanges[k]
+            inbox.update(zip(e.recvs, link.exchange([(msg, outbox.pop(msg)) for msg in e.sends], e.recvs, shape)))
+        if k == len(actions):
+            return loss
+        i = actions[k].micro_batch
+        if actions[k].kind == "F":
+            x = ids[i] if stage.first else inbox.pop(Message("activation", i))
+            fn = stage_loss(stage, labels[i], weights[i], denominator) if stage.last else None
+            saved[i], y = runner.forward(x, fn, recompute=recompute)
+            if stage.last:
+                loss += float(y)
+            else:
+                outbox[Message("activation", i)] = y
+        else:
+            grad = None if stage.last else inbox.pop(Message("gradient", i))
+            grad_x = runner.backward(saved.pop(i), grad)
+            if not stage.first:
+                outbox[Message("gradient", i)] = grad_x
+    return loss
+
+
+def run_3d(rank: int, world_size: int, config: Config3D = Config3D()) -> Result3D:
+    """Train slice t of stage j of replica d, for ``grid.ranks[d, j, t] == rank``; the worker for ``launch``.
+
+    Raises:
+        ValueError: a config that does not fit ``world_size`` or the model (named in the message).
+        TimeoutError, RuntimeError: a receive or collective waited longer than ``config.timeout``
+            or its peer failed; the message names this rank, its coordinates and what it waited for.
+    """
+    require_process_group("run_3d")
+    config.check(world_size)
+    grid = config.grid
+    d, j, t = coords = grid.coords(rank)
+    who = f"rank {rank} (replica {d}, stage {j}, slice {t})"
+    groups = new_groups_3d(grid, rank, config.timeout)
+    try:
+        device = rank_device()
+        dense = build_gpt2(config.model, config.vocab_size, config.seed, **model_overrides(config))
+        stage = TensorParallelStage(tensor_parallelize(dense, groups.tp, dropout_seed=config.seed).to(device), j,
+                                    grid.pp)
+        stage.train()
+        params = list(stage.parameters())
+        optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
+        runner = StageRunner(stage, device, first=stage.first)
+        row = grid.pp_ranks(d, t)
+        link = StageLink(row[j - 1] if j > 0 else None, row[j + 1] if j < grid.pp - 1 else None, who,
+                         config.timeout, device)
+        gradients = StageGradients(stage, stage.tied, groups.tied, groups.dp, grid.dp, who, config.timeout)
+        wait_for(dist.barrier(async_op=True), config.timeout, f"{who}: start-up barrier")
+        schedule = make_schedule(config.schedule, grid.pp, config.micro_batches)
+        record, clock = TrainRecord(), DeviceClock([device])
+        for step, batch in enumerate(batches_3d(config)):
+            denominator = float(batch["label_token_weights"].sum()) / grid.dp  # the dp mean divides by dp again
+            mine = {k: v.chunk(grid.dp)[d].to(device) for k, v in batch.items()}  # [1]
+            start = clock()
+            with count_collectives() as counter:
+                optimizer.zero_grad(set_to_none=True)
+                loss = _step(stage, runner, link, schedule, j, mine, denominator, config.recompute)  # [2]
+                gradients.synchronize()  # [3]
+                optimizer.step()  # [4]
+            record.append(loss / grid.dp if stage.last else float("nan"),
+                          int(batch["label_token_weights"].sum()), clock() - start)
+        traffic, wire = _by_group(counter, grid, coords)
+        state = dense_state(stage, grid.pp, gather_dense(stage.model)) if config.return_state else {}
+        return Result3D(rank, coords, config, record, traffic, wire,
+                        sum(row.total for row in memory_report(nn.Sequential(stage), optimizer).values()),
+                        sum(p.numel() for p in params), list(stage.blocks_index), state if t == 0 else {})
+    finally:  # a later run in the same ranks makes new groups
+        for group in groups.made:
+            dist.destroy_process_group(group)
+
+
+def run_3d_many(rank: int, world_size: int, configs: Sequence[Config3D]) -> list[Result3D]:
+    """:func:`run_3d` for each config in turn, in one launch (starting ranks costs seconds)."""
+    return [run_3d(rank, world_size, config) for config in configs]
+
+
+def with_layout(config: Config3D, dp: int, tp: int, pp: int) -> Config3D:
+    """``config`` on another grid."""
+    return replace(config, dp=dp, tp=tp, pp=pp)

@@ -1,0 +1,57 @@
+"""``python -m parallel_lib.planner calibrate | show | published``: this machine's calibration and the published runs.
+
+- ``calibrate [--refresh] [--world-sizes 2 4]``: measure (a few seconds per world size, more on a busy
+  machine) and cache under ``~/.cache/parallel_lib`` (``$PARALLEL_LIB_CACHE``); print the numbers.
+- ``show``: print the cached calibration (measuring it first if there is none).
+- ``published``: the published training runs beside the planner's layouts (takes a minute or two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from parallel_lib.common import tables
+from parallel_lib.planner.calibrate import Calibration, cache_path, load_or_calibrate
+
+
+def describe(calibration: Calibration) -> str:
+    """A table per world size: compute rates, model step costs and each collective's α and β."""
+    rows = []
+    for n, speed in sorted(calibration.ranks.items()):
+        steps = "; ".join(f"{key}: {fixed * 1e3:.2f} ms/block + {rate / 1e9:.1f} GFLOP/s"
+                          for key, (fixed, rate, _) in speed.step_costs.items())
+        links = "; ".join(f"{kind} α {ab.alpha * 1e6:.0f} µs, β {ab.bandwidth / 1e9:.2f} GB/s"
+                          for kind, ab in speed.links.items()) or "—"
+        rows.append([n, f"{speed.flops_per_second / 1e9:.1f}", f"{speed.bytes_per_second / 1e9:.1f}", steps, links])
+    return (f"Calibration of {calibration.machine}\n\n" +
+            tables.markdown_table(["ranks", "matmul GFLOP/s per rank", "copy GB/s per rank", "model step",
+                                   "collectives (α per ring step, β bytes/s sent)"], rows))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lib.planner", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="measure this machine and cache the result")
+    cal.add_argument("--refresh", action="store_true", help="measure again even if a cached calibration exists")
+    cal.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    sub.add_parser("show", help="print the cached calibration")
+    sub.add_parser("published", help="published training runs beside the planner")
+    args = parser.parse_args(argv)
+    if args.command == "published":
+        from parallel_lib.planner.published import compare_all, table
+
+        print(tables.markdown_table(["run", "GPUs", "their layout", "their GiB/GPU (predicted)", "planner's layout",
+                                     "its GiB/GPU", "why they differ", "source"], table(compare_all())))
+        return 0
+    refresh = args.command == "calibrate" and args.refresh
+    kwargs = dict(world_sizes=tuple(args.world_sizes)) if args.command == "calibrate" else {}
+    calibration = load_or_calibrate(refresh=refresh, **kwargs)
+    print(describe(calibration))
+    print(f"\ncached in {cache_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""How fast this machine computes and communicates: the planner's calibration, measured and cached.
+
+A prediction of step time needs four kinds of numbers, all measured here in a few seconds:
+
+- **compute**: the matmul FLOP/s and memory bandwidth of one rank
+  (:func:`parallel_lib.common.machine_speed.measure_machine_speed`), measured *while the other
+  ranks of the same world measure too*: on a 2-core laptop, 4 ranks share 2 cores, and a rank
+  computes at half the rate it would alone;
+- **a model's step**: a CPU reaches the 512 × 512 matmul rate only on large matrices; a GPT-2 step
+  of a small model spends much of its time outside matrix products (kernel dispatch, autograd,
+  layer norms, the optimizer). :func:`fit_step_cost` times one rank's forward + backward at two
+  batch sizes and splits it into a fixed cost per block and micro-batch and a FLOP rate;
+- **communication**: an α–β fit per collective — all-reduce, reduce-scatter, all-gather and
+  send/recv — of ``t = hops·α + wire_bytes/β`` (hops: ring steps; wire bytes: what one rank
+  sends, :func:`parallel_lib.runtime.collectives.ring_wire_bytes`), timed on this machine's gloo ranks;
+- bubbles come from the schedule simulator, not from here.
+
+``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine under
+``~/.cache/parallel_lib/`` (keyed by host name, torch version and threads per rank), never in the
+repository. On GPUs, :mod:`parallel_lib.planner.hardware` gives published figures instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.machine_speed import measure_machine_speed
+from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.runtime.launcher import launch
+
+__all__ = ["KINDS", "AlphaBeta", "RankSpeed", "Calibration", "hops", "fit_alpha_beta", "collective_worker",
+           "calibrate", "load_or_calibrate", "cache_path", "machine_key"]
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
+SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)  # 4 KiB .. 2 MiB: latency- to bandwidth-bound
+
+
+def hops(kind: str, group_size: int) -> int:
+    """Ring steps of a collective over ``group_size`` ranks: each costs one latency α."""
+    n = positive_int("group_size", group_size)
+    check_choice("kind", kind, KINDS)
+    return {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1, "send": 1}[kind]
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """One collective's cost model: ``hops·alpha + wire_bytes/bandwidth`` seconds."""
+
+    alpha: float          # seconds per ring step (latency)
+    bandwidth: float      # bytes per second one rank sends
+
+    def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
+        """Time of one ``kind`` collective of ``nbytes`` (the message, as the counter records it)."""
+        if group_size < 2 or nbytes <= 0:
+            return 0.0
+        return hops(kind, group_size) * self.alpha + ring_wire_bytes(kind, nbytes, group_size) / self.bandwidth
+
+
+def fit_alpha_beta(kind: str, group_size: int, nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """Least-squares α and β of ``t = hops·α + wire/β`` for one collective, weighting relative errors.
+
+    Raises:
+        ValueError: fewer than two distinct sizes, or times that do not grow with size.
+    """
+    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
+        raise ValueError(f"need matching sizes and times with >= 2 distinct sizes, got {len(nbytes)} sizes and "
+                         f"{len(seconds)} times")
+    wire = torch.tensor([ring_wire_bytes(kind, s, group_size) for s in nbytes], dtype=torch.float64)
+    y = torch.tensor(list(seconds), dtype=torch.float64)
+    design = torch.stack([wire, torch.full_like(wire, float(hops(kind, group_size)))], dim=1)
+    slope, alpha = torch.linalg.lstsq(design / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0].tolist()
+    if slope <= 1e-13:  # a loaded machine (no growth, or faster than 10 TB/s): fall back on the two extreme sizes
+        rise = (y[-1] - y[0]).item()
+        slope = rise / (wire[-1] - wire[0]).item() if rise > 0 else y[-1].item() / wire[-1].item()
+        alpha = y[0].item() / hops(kind, group_size)
+    return AlphaBeta(max(alpha, 0.0), 1.0 / slope)
+
+
+@dataclass(frozen=True)
+class RankSpeed:
+    """What one rank of a ``world_size``-rank world measured while the others measured too."""
+
+    world_size: int
+    flops_per_second: float     # 512 x 512 fp32 matmul, one thread
+    bytes_per_second: float     # copy of a 64 MiB buffer
+    links: dict = field(default_factory=dict)  # kind -> AlphaBeta (over all world_size ranks)
+    step_costs: dict = field(default_factory=dict)  # model key -> (fixed, FLOP/s, optimizer), model_step.fit_step_cost
+
+    def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
+        return self.links[kind].seconds(kind, nbytes, group_size) if group_size > 1 else 0.0
+
+
+def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()  # warm-up: buffers, connections
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    median = torch.tensor(statistics.median(times))
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the collective lasts until its slowest rank is done
+    return float(median)
+
+
+def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, repeats: int = 5) -> RankSpeed:
+    """One rank of the calibration launch: compute rates (all ranks at once), then each collective's fit.
+
+    A model's step is fitted once, in one process alone (two parameters need quiet measurements);
+    at ``world_size`` ranks it is slowed by the ratio of the matmul rates measured here
+    (:meth:`Calibration.step_cost`).
+    """
+    torch.set_num_threads(1)
+    dist.barrier()
+    speed = measure_machine_speed("cpu", size=512, megabytes=32, repeats=repeats)
+    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second], dtype=torch.float64)
+    dist.all_reduce(numbers)  # the mean rank: every rank runs the same share of a layout
+    numbers /= world_size
+    links = {}
+    for kind in KINDS:
+        times = []
+        for nbytes in sizes:
+            n = nbytes // 4
+            x, out = torch.ones(n), torch.empty(n * world_size if kind == "all_gather" else max(n // world_size, 1))
+            if kind == "all_reduce":
+                fn = lambda: dist.all_reduce(x)  # noqa: E731
+            elif kind == "reduce_scatter":
+                fn = lambda: dist.reduce_scatter_tensor(out, x[:out.numel() * world_size])  # noqa: E731
+            elif kind == "all_gather":  # the counter records the gathered size: time that message
+                x = torch.ones(n // world_size)
+                fn = lambda: dist.all_gather_into_tensor(out[:x.numel() * world_size], x)  # noqa: E731
+            else:  # a ring of sends: every rank sends to the next and receives from the previous
+                peer_to, peer_from, buf = (rank + 1) % world_size, (rank - 1) % world_size, torch.empty(n)
+                fn = lambda: [w.wait() for w in dist.batch_isend_irecv(  # noqa: E731
+                    [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)])]
+            times.append(_timed(fn, repeats))
+        links[kind] = fit_alpha_beta(kind, world_size, [float(s) for s in sizes], times)
+    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """This machine's numbers, per world size (1 = one process alone), plus fitted model step costs."""
+
+    machine: str
+    ranks: dict                 # world_size -> RankSpeed
+    gpus_per_node: int = 0      # 0: one machine; else groups spanning more ranks use ``across``
+    across: dict = field(default_factory=dict)      # kind -> AlphaBeta between nodes
+
+    def at(self, world_size: int) -> RankSpeed:
+        """The measured world size closest to ``world_size`` from above (more ranks share cores), else the largest."""
+        sizes = sorted(self.ranks)
+        above = [n for n in sizes if n >= world_size]
+        return self.ranks[above[0] if above else sizes[-1]]
+
+    def step_cost(self, key: str, world_size: int) -> tuple[float, float, float]:
+        """``(fixed, FLOP/s, optimizer)`` of model ``key`` on a rank of ``world_size``: measured there, or
+        measured alone and slowed by the ratio of the matmul rates."""
+        speed = self.at(world_size)
+        if key in speed.step_costs:
+            return tuple(speed.step_costs[key])  # type: ignore[return-value]
+        alone = self.ranks[min(self.ranks)]
+        if key not in alone.step_costs:
+            raise ValueError(f"the calibration of {self.machine!r} has no step cost for {key!r}; calibrate with it")
+        slow = alone.flops_per_second / speed.flops_per_second
+        fixed, rate, optimizer = alone.step_costs[key]
+        return fixed * slow, rate / slow, optimizer * slow
+
+    def slowed(self, world_size: int, factor: float) -> "Calibration":
+        """A copy whose ranks at ``world_size`` compute ``factor`` times slower (a busier moment of the machine)."""
+        speed = self.at(world_size)
+        steps = {k: (f * factor, r / factor, o * factor) for k, (f, r, o) in speed.step_costs.items()}
+        ranks = dict(self.ranks)
+        ranks[speed.world_size] = RankSpeed(speed.world_size, speed.flops_per_second / factor, speed.bytes_per_second,
+                                            speed.links, steps)
+        return Calibration(self.machine, ranks, self.gpus_per_node, self.across)
+
+    def link(self, kind: str, world_size: int, span: int) -> AlphaBeta:
+        """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide."""
+        if self.gpus_per_node and span > self.gpus_per_node:
+            return self.across[kind]
+        speed = self.at(world_size)
+        if not speed.links:
+            raise ValueError(f"the calibration of {self.machine!r} has no collective fit for {world_size} rank(s); "
+                             "calibrate with that world size")
+        return speed.links[kind]
+
+    def to_json(self) -> str:
+        ranks = {str(n): dict(world_size=r.world_size, flops_per_second=r.flops_per_second,
+                              bytes_per_second=r.bytes_per_second,
+                              links={k: asdict(v) for k, v in r.links.items()}, step_costs=r.step_costs)
+                 for n, r in self.ranks.items()}
+        return json.dumps(dict(machine=self.machine, ranks=ranks), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        data = json.loads(text)
+        ranks = {int(n): RankSpeed(r["world_size"], r["flops_per_second"], r["bytes_per_second"],
+                                   {k: AlphaBeta(**v) for k, v in r["links"].items()},
+                                   {k: tuple(v) for k, v in r.get("step_costs", {}).items()})
+                 for n, r in data["ranks"].items()}
+        return cls(data["machine"], ranks)
+
+
+def machine_key(threads: int = 1) -> str:
+    """Host name, torch version and threads per rank: a calibration holds for exactly these."""
+    return f"{platform.node() or 'host'}-torch{torch.__version__}-t{threads}"
+
+
+def cache_path(key: Optional[str] = None) -> Path:
+    """``$PARALLEL_LIB_CACHE`` or ``~/.cache/parallel_lib``, ``planner-<key>.json``: outside the repository."""
+    root = Path(os.environ.get("PARALLEL_LIB_CACHE", Path.home() / ".cache" / "parallel_lib"))
+    return root / f"planner-{key or machine_key()}.json"
+
+
+MODELS = (("tiny", 512, 64),)  # (GPT-2 size, vocabulary, sequence length) whose step the calibration times
+
+
+def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Sequence[tuple[str, int, int]] = MODELS,
+              timeout: float = 120.0) -> Calibration:
+    """Measure one process alone and every world size in ``world_sizes`` (one ``launch`` each)."""
+    from parallel_lib.planner.model_step import fit_step_cost, step_key
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = measure_machine_speed("cpu", size=512, megabytes=32, repeats=repeats)
+    finally:
+        torch.set_num_threads(threads)
+    steps = {}
+    for model in models:
+        fit = fit_step_cost(*model, repeats=repeats)  # type: ignore[misc]
+        steps[step_key(*model)] = (fit.fixed, fit.flops_per_second, fit.optimizer)
+    ranks = {1: RankSpeed(1, alone.flops_per_second, alone.bytes_per_second, {}, steps)}
+    for n in world_sizes:
+        ranks[positive_int("world size", n)] = launch(collective_worker, n, SIZES, repeats, threads_per_rank=1,
+                                                      timeout=timeout)[0]
+    return Calibration(machine_key(), ranks)
+
+
+def load_or_calibrate(path: Optional[Path] = None, refresh: bool = False, **kwargs: object) -> Calibration:
+    """The cached calibration of this machine, measured and saved first if there is none (or ``refresh``)."""
+    path = path or cache_path()
+    if path.exists() and not refresh:
+        return Calibration.from_json(path.read_text())
+    calibration = calibrate(**kwargs)  # type: ignore[arg-type]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(calibration.to_json())
+    return calibration

@@ -1,0 +1,263 @@
+"""One layout of a training job over a dp × tp × pp grid, priced: memory per device and time per step.
+
+Every number comes from code a chapter verified, not from a new formula:
+
+- parameters per rank: :func:`parallel_lib.tensor_parallel.cost.shard_parameters` (chapter 07) for a
+  block and the embedding, the stages split by ``split_layers``'s rule (chapter 04: the first stages
+  take one block more), the tied head's copy on the last stage (chapter 05's DP×PP run holds one);
+- model state per rank: :func:`parallel_lib.sharding.memory.zero_memory` (chapter 06) of those parameters;
+- activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
+  sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
+  (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
+- time: compute from the calibration (:mod:`parallel_lib.planner.calibrate`) and
+  :func:`~parallel_lib.tensor_parallel.cost.training_flops`; tensor-parallel collectives from
+  :func:`~parallel_lib.tensor_parallel.cost.step_collectives`; the pipeline replayed by
+  :func:`parallel_lib.pipeline_parallel.simulator.simulate_schedule` with those costs and the send time;
+  then the data-parallel collectives of the ZeRO stage and the optimizer on the rank's share.
+
+Nothing overlaps: the course's engines run the gradient collectives after the backward pass
+(chapter 05's DP×PP, chapter 07's TP×DP) and the tensor-parallel all-reduces between the layers'
+matrix products, so the model adds their times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Union
+
+from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
+from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
+from parallel_lib.pipeline_parallel.schedule import make_schedule
+from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
+from parallel_lib.planner.calibrate import Calibration
+from parallel_lib.sharding.memory import zero_memory
+from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
+
+__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "price", "SCHEDULES"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``dp · tp · pp`` ranks train one model; ``micro_batches`` per replica and step.
+
+    With ``pp == 1`` the micro-batches run one after another (gradient accumulation); with
+    ``pp > 1`` they fill the pipeline in ``schedule`` order (``virtual`` model stages per rank
+    for "interleaved").
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0                    # ZeRO stage over the dp ranks (0: plain data parallelism)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    micro_batches: int = 1
+    recompute: bool = False
+    dtype: str = "fp32"              # "fp32", or "bf16"/"fp16" for mixed precision
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "virtual", "micro_batches"):
+            positive_int(name, getattr(self, name))
+        check_choice("zero", self.zero, (0, 1, 2, 3))
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("dtype", self.dtype, sorted(DTYPE_BYTES))
+        if (self.virtual > 1) != (self.schedule == "interleaved" and self.pp > 1):
+            raise ValueError(f"virtual > 1 goes with schedule='interleaved' and pp > 1, got virtual={self.virtual}, "
+                             f"schedule={self.schedule!r}, pp={self.pp}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("DP", self.dp), ("TP", self.tp), ("PP", self.pp)) if v > 1] or ["1 device"]
+        extra = [f"ZeRO-{self.zero}"] if self.zero and self.dp > 1 else []
+        extra += ["SP"] if self.sequence_parallel and self.tp > 1 else []
+        if self.pp > 1:
+            extra.append(f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''} m={self.micro_batches}")
+        elif self.micro_batches > 1:
+            extra.append(f"accumulate {self.micro_batches}")
+        extra += ["recompute"] if self.recompute else []
+        return "×".join(parts) + (" " + ", ".join(extra) if extra else "")
+
+    def schedule_object(self):  # type: ignore[no-untyped-def]
+        """The simulator's schedule of this pipeline (chapter 08's generators)."""
+        if self.schedule == "interleaved":
+            return interleaved_1f1b(self.pp, self.micro_batches, self.virtual)
+        return make_schedule(self.schedule, self.pp, self.micro_batches)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One rank's compute: ``fixed`` seconds per block (or embedding+head) and micro-batch pass, plus FLOPs / rate.
+
+    ``optimizer`` is the seconds of one AdamW step over the whole model on one rank alone; a rank
+    holding a share of the optimizer states takes that share of it. Measured by
+    :func:`parallel_lib.planner.model_step.fit_step_cost`; for published GPUs, fixed 0 and the peak rate.
+    """
+
+    fixed: float
+    flops_per_second: float
+    optimizer: float = 0.0
+
+
+def stage_blocks(n_layer: int, pp: int) -> list[int]:
+    """Blocks per stage, the first stages one more when ``pp`` does not divide (``split_layers``'s rule)."""
+    if pp > n_layer:
+        raise ValueError(f"pp={pp} stages need at least {pp} blocks, the model has n_layer={n_layer}")
+    return [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
+
+
+def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
+    """(one block's, the embedding+positions', ln_f's) parameters on a tp rank, from ``shard_parameters``."""
+    no_blocks = replace(shape, n_layer=0)
+    block = shard_parameters(replace(shape, n_layer=1), tp) - shard_parameters(no_blocks, tp)
+    ln_f = 2 * shape.n_embd
+    return block, shard_parameters(no_blocks, tp) - ln_f, ln_f
+
+
+def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
+    """Parameters each pipeline stage's rank holds; the last stage keeps its own copy of the tied head."""
+    block, embedding, ln_f = _block_and_rest(shape, tp)
+    blocks = stage_blocks(shape.n_layer, pp)
+    out = [b * block for b in blocks]
+    out[0] += embedding
+    out[-1] += ln_f + (shape.vocab_size * shape.n_embd // tp if pp > 1 else 0)
+    return out
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A layout's predictions for the busiest rank; seconds split by where they go."""
+
+    layout: Layout
+    params: int                  # parameters on the busiest rank
+    state_bytes: float           # parameters + gradients + optimizer states (ZeRO formula)
+    activation_bytes: float      # peak kept for backward
+    in_flight: float             # micro-batches' activations held at the peak (schedule's figure)
+    compute: float               # forward + backward of every micro-batch, bubbles included
+    tp_comm: float               # inside compute: the tensor-parallel collectives
+    dp_comm: float               # gradient and parameter collectives after the backward pass
+    optimizer: float
+    bubble: float                # the simulator's (pipeline only)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute + self.dp_comm + self.optimizer
+
+
+def _flops(shape: GPTShape, blocks: int, rows: int, seq: int, head: bool) -> float:
+    """Forward + backward FLOPs of ``blocks`` blocks (and the head) on ``rows`` sequences: training_flops' terms."""
+    block = 72 * rows * seq * blocks * shape.n_embd ** 2 * (1 + seq / (6 * shape.n_embd))
+    return block + (6 * rows * seq * shape.n_embd * shape.vocab_size if head else 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _simulated(name: str, p: int, m: int, v: int, ratios: tuple, comm: float) -> tuple[float, float]:
+    """(step time, bubble) of the schedule with forward 1/3 and backward 2/3 of each stage's cost (ratios)."""
+    schedule = interleaved_1f1b(p, m, v) if name == "interleaved" else make_schedule(name, p, m)
+    costs = (1 / 3, 2 / 3) if len(ratios) == 1 else [(r / 3, 2 * r / 3) for r in ratios]
+    result = simulate_schedule(schedule, costs, comm)
+    return result.step_time, result.bubble
+
+
+@lru_cache(maxsize=4096)
+def _in_flight(name: str, p: int, m: int, v: int) -> float:
+    schedule = interleaved_1f1b(p, m, v) if name == "interleaved" else make_schedule(name, p, m)
+    return max(peak_in_flight(schedule))
+
+
+def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, span: int) -> float:
+    return sum(n * cal.link(kind, world, span).seconds(kind, nbytes / max(n, 1), group)
+               for kind, (n, nbytes) in calls.items())
+
+
+def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, calibration: Calibration,
+          step_cost: Union[StepCost, str], attention_scores: bool = False) -> Priced:
+    """Memory per device and time per step of ``layout`` training ``shape`` on ``global_batch`` sequences.
+
+    Raises:
+        ValueError: a batch that does not split into dp replicas of ``micro_batches`` micro-batches,
+            a tp that does not divide the heads and vocabulary, or pp larger than the blocks.
+
+    ``step_cost``: a :class:`StepCost` of one rank alone, or the key of one the calibration holds.
+    """
+    L, world, width = layout, layout.devices, DTYPE_BYTES[layout.dtype]
+    rows = global_batch // L.dp
+    if global_batch % L.dp or rows % L.micro_batches:
+        raise ValueError(f"global_batch={global_batch} must split into dp={L.dp} replicas of "
+                         f"micro_batches={L.micro_batches} equal micro-batches")
+    mb = rows // L.micro_batches
+    params = rank_parameters(shape, L.tp, L.pp)
+    blocks = stage_blocks(shape.n_layer, L.pp)
+    precision = "fp32" if width == 4 else "bf16"
+    states = [zero_memory(p, L.dp, L.zero if L.dp > 1 else 0, precision)["total"] for p in params]
+    busiest = max(range(L.pp), key=lambda s: states[s])
+    # activations of one micro-batch on the busiest stage (the 16-bit formulas, scaled to the dtype)
+    stage_shape = replace(shape, n_layer=max(blocks))
+    if L.recompute:
+        acts = activation_memory(mb, seq_len, shape.n_embd, shape.n_head, max(blocks), attention_scores, True) / L.tp
+    else:
+        acts = activation_bytes(mb, seq_len, stage_shape, L.tp, L.sequence_parallel, attention_scores)
+    acts *= width / 2
+    in_flight = _in_flight(L.schedule, L.pp, L.micro_batches, L.virtual) if L.pp > 1 else 1.0
+
+    # compute per micro-batch and stage: the calibrated rank, slowed by the ranks sharing its cores
+    if isinstance(step_cost, str):
+        step_cost = StepCost(*calibration.step_cost(step_cost, world))
+    else:  # the cost of one rank alone, slowed as the calibration's matmul rate slows with more ranks per core
+        slow = calibration.ranks[min(calibration.ranks)].flops_per_second / calibration.at(world).flops_per_second
+        step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow)
+    tp_span = L.tp
+    costs, tp_total = [], 0.0
+    for s, b in enumerate(blocks):
+        head = s == L.pp - 1
+        flops = _flops(shape, b, mb, seq_len, head) / L.tp
+        if L.recompute:  # the blocks' forward once more in backward: 4 passes instead of 3
+            flops += _flops(shape, b, mb, seq_len, False) / L.tp / 3
+        units = b + (1 if s == 0 else 0) * 0.5 + (0.5 if head else 0)
+        seconds = (step_cost.fixed * units + flops / step_cost.flops_per_second)
+        calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width)
+        tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
+        tp_total = max(tp_total, tp_seconds)
+        costs.append(seconds + tp_seconds)
+    if L.pp == 1:
+        compute, bubble = L.micro_batches * costs[0], 0.0
+    else:
+        hop = calibration.link("send", world, L.tp * L.pp).seconds("send", mb * seq_len * shape.n_embd * width, 2)
+        unit = max(costs)  # the simulation in units of the busiest stage, cached: many layouts share one
+        ratios = (1.0,) if L.virtual > 1 else tuple(round(c / unit, 2) for c in costs)
+        step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
+        compute = step * unit
+    tp_comm = tp_total * L.micro_batches
+
+    # after the backward pass: ZeRO's (or plain DP's) collectives over the dp ranks, and the optimizer step
+    p, dp_span = params[busiest], L.tp * L.pp * L.dp
+    grad_bytes = p * width
+    dp_calls: dict = {}
+    if L.dp > 1:
+        if L.zero == 0:
+            dp_calls = {"all_reduce": (1, grad_bytes)}
+        elif L.zero in (1, 2):
+            dp_calls = {"reduce_scatter": (1, grad_bytes), "all_gather": (1, grad_bytes)}
+        else:  # per layer group: gathered for forward and again for backward, gradients reduce-scattered
+            groups = max(blocks) + 1
+            dp_calls = {"all_gather": (2 * groups, 2 * grad_bytes), "reduce_scatter": (groups, grad_bytes)}
+    dp_comm = _collective_seconds(dp_calls, calibration, world, L.dp, dp_span)
+    if L.pp > 1 and L.virtual == 1:  # the tied embedding's gradient between first and last stage
+        tied = shape.vocab_size * shape.n_embd // L.tp * width
+        dp_comm += calibration.link("all_reduce", world, dp_span).seconds("all_reduce", tied, 2)
+    total_params = sum(rank_parameters(shape, 1, 1))
+    share = p / total_params / (L.dp if L.zero >= 1 else 1)
+    optimizer = step_cost.optimizer * share
+    return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble)

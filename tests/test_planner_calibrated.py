@@ -1,0 +1,144 @@
+"""The calibrated planner: its memory is the chapters' formulas, its bubbles the simulator's, its fits recover
+known constants, its search explains what it rejects, and the benchmark runs (``--quick``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from parallel_lib.common.models import build_gpt2, count_parameters
+from parallel_lib.model_parallel.memory import activation_memory
+from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
+from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
+from parallel_lib.pipeline_parallel.simulator import peak_in_flight
+from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed, cache_path, fit_alpha_beta, hops
+from parallel_lib.planner.hardware import GPUS, published_calibration
+from parallel_lib.planner.layout import Layout, StepCost, _simulated, price, rank_parameters
+from parallel_lib.planner.model_step import solve_step_cost
+from parallel_lib.planner.published import RUNS
+from parallel_lib.planner.search import plan_layouts
+from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.sharding.memory import zero_memory
+from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, training_flops
+
+MODEL = build_gpt2("tiny", vocab_size=512, seed=0, n_positions=64)
+SHAPE = GPTShape.of(MODEL.config)
+LINK = AlphaBeta(1e-4, 1e9)
+CAL = Calibration("synthetic", {1: RankSpeed(1, 1e10, 1e10, {k: LINK for k in KINDS}),
+                                4: RankSpeed(4, 5e9, 1e10, {k: LINK for k in KINDS})})
+COST = StepCost(1e-3, 1e10, 2e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_alpha_beta_fit_recovers_the_constants(kind, n):
+    alpha, bandwidth = 37e-6, 2.5e9
+    sizes = [4096.0, 65536.0, 524288.0, 2097152.0]
+    times = [hops(kind, n) * alpha + ring_wire_bytes(kind, s, n) / bandwidth for s in sizes]
+    fit = fit_alpha_beta(kind, n, sizes, times)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6) and fit.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fit.seconds(kind, sizes[2], n) == pytest.approx(times[2], rel=1e-9)
+
+
+def test_step_cost_fit_recovers_fixed_and_rate_and_refuses_shrinking_times():
+    batches = [2, 4, 8, 16]
+    times = [0.7e-3 * (SHAPE.n_layer + 1) + training_flops(SHAPE, b, 64) / 3e10 for b in batches]
+    fit = solve_step_cost(SHAPE, 64, batches, times)
+    assert fit.fixed == pytest.approx(0.7e-3, rel=1e-6) and fit.flops_per_second == pytest.approx(3e10, rel=1e-6)
+    with pytest.raises(ValueError, match="do not grow"):
+        solve_step_cost(SHAPE, 64, [2, 16], [0.2, 0.1])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_is_the_zero_formula_of_the_real_parameter_count(stage):
+    assert sum(rank_parameters(SHAPE)) == count_parameters(MODEL)  # the tied head counted once
+    priced = price(Layout(dp=4, zero=stage), SHAPE, 16, 64, CAL, COST)
+    assert priced.state_bytes == zero_memory(count_parameters(MODEL), 4, stage, "fp32")["total"]
+
+
+def test_tensor_and_pipeline_shares_are_the_chapters_counts():
+    assert rank_parameters(SHAPE, tp=2) == [shard_parameters(SHAPE, 2)]
+    stages = gpt2_stages(copy.deepcopy(MODEL), ["cpu", "cpu"])
+    # chapter 04's stages: the last holds its own copy of the tied head
+    assert rank_parameters(SHAPE, pp=2) == [sum(p.numel() for p in stage.parameters()) for stage in stages]
+
+
+def test_activation_memory_is_the_chapters_formula_times_the_schedules_in_flight_count():
+    tp = price(Layout(tp=2, sequence_parallel=True), SHAPE, 16, 64, CAL, COST)
+    assert tp.activation_bytes == activation_bytes(16, 64, SHAPE, 2, True, False) * 2  # fp32: 16-bit formula x 2
+    recomputed = price(Layout(recompute=True), SHAPE, 16, 64, CAL, COST)
+    assert recomputed.activation_bytes == activation_memory(16, 64, 64, 4, 4, False, True) * 2
+    one = price(Layout(pp=2, schedule="1f1b", micro_batches=8), SHAPE, 16, 64, CAL, COST)
+    gpipe = price(Layout(pp=2, schedule="gpipe", micro_batches=8), SHAPE, 16, 64, CAL, COST)
+    assert (one.in_flight, gpipe.in_flight) == (2, 8)  # 1F1B keeps p micro-batches, GPipe all m
+    assert gpipe.activation_bytes == 4 * one.activation_bytes
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 16, 2), (2, 4, 3)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m_and_1f1b_p_minus_1_over_m(p, m, v):
+    assert _simulated("interleaved", p, m, v, (1.0,), 0.0)[1] == pytest.approx((p - 1) / (v * m))
+    assert _simulated("1f1b", p, m, 1, (1.0,) * p, 0.0)[1] == pytest.approx((p - 1) / m)
+
+
+def test_step_time_adds_the_pieces_and_more_ranks_per_core_compute_slower():
+    one = price(Layout(), SHAPE, 16, 64, CAL, COST)
+    expected = COST.fixed * (SHAPE.n_layer + 1) + training_flops(SHAPE, 16, 64) / COST.flops_per_second
+    assert one.compute == pytest.approx(expected) and one.step_seconds == pytest.approx(expected + COST.optimizer)
+    dp = price(Layout(dp=4), SHAPE, 16, 64, CAL, COST)  # 4 ranks compute at half the rate (5e9 vs 1e10)
+    grads = count_parameters(MODEL) * 4
+    assert dp.dp_comm == pytest.approx(LINK.seconds("all_reduce", grads, 4))
+    assert dp.compute == pytest.approx(2 * (COST.fixed * 5 + training_flops(SHAPE, 4, 64) / 1e10))
+
+
+def test_bad_layouts_are_refused_with_the_argument_named():
+    with pytest.raises(ValueError, match="virtual"):
+        Layout(pp=2, schedule="1f1b", virtual=2)
+    with pytest.raises(ValueError, match="zero"):
+        Layout(dp=2, zero=4)
+    with pytest.raises(ValueError, match="global_batch"):
+        price(Layout(dp=3), SHAPE, 16, 64, CAL, COST)
+    with pytest.raises(ValueError, match="memory_per_device"):
+        plan_layouts(SHAPE, 4, 80, 16, 64, CAL, COST)
+
+
+def test_plan_ranks_what_fits_and_says_why_the_rest_does_not():
+    params = count_parameters(MODEL)
+    memory = 10 * params  # less than one replica's 16 bytes per parameter in fp32: DP without ZeRO cannot fit
+    plan = plan_layouts(SHAPE, 4, memory, 16, 64, CAL, COST,
+                        dtype="fp32", gpus_per_node=4, recompute=(False,))
+    assert plan.ranked and all(c.priced.memory_bytes <= plan.memory_per_device for c in plan.ranked)
+    times = [c.priced.step_seconds for c in plan.ranked]
+    assert times == sorted(times)
+    assert all("GiB" in c.why_not or "split" in c.why_not for c in plan.rejected)
+
+
+def test_published_layouts_are_priced_with_the_same_formulas_and_links():
+    calibration = published_calibration("H100")
+    llama = RUNS[0]
+    priced = price(llama.layout, llama.shape, llama.global_batch, llama.seq_len, calibration,
+                   StepCost(0.0, GPUS["H100"].flops_bf16))
+    # memory: ZeRO-2 of the busiest stage's parameters, and the interleaved schedule's in-flight count
+    stage = max(rank_parameters(llama.shape, 8, 16))
+    assert priced.state_bytes == zero_memory(stage, 128, 2, "bf16")["total"]
+    assert priced.in_flight == max(peak_in_flight(interleaved_1f1b(16, 16, 2)))
+    assert calibration.link("all_reduce", 16384, 16).bandwidth == GPUS["H100"].network  # across nodes
+    assert calibration.link("all_reduce", 16384, 8).bandwidth == GPUS["H100"].nvlink
+
+
+def test_calibration_round_trips_and_caches_outside_the_repository(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
+    assert cache_path("k").parent == tmp_path
+    CAL.ranks[1].step_costs["m"] = (1.0, 2.0, 3.0)
+    again = Calibration.from_json(CAL.to_json())
+    assert again.ranks[4].links["send"] == LINK and again.step_cost("m", 4) == (2.0, 1.0, 6.0)  # 2x slower
+
+
+def test_bench_quick_prints_every_row_with_predicted_and_measured(capsys):
+    from parallel_lib.bench.planner import main
+
+    torch.manual_seed(0)
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| DP2 |" in out and "| PP2 1f1b m=4 |" in out and "model states within 5 %" in out
