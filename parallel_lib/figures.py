@@ -249,7 +249,14 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("inference_timelines", "ch09", True, _inference_timelines),
     FigureSpec("pipeline_v_schedules_ch08", "ch08", False, _v_schedules),
     FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
+    FigureSpec("planner_widget_ch10", "ch10", False, lambda: _planner_widget()),
 ]
+
+
+def _planner_widget() -> Figure:
+    """Chapter 10's planning widget at its opening values (published H100 peaks, not measured)."""
+    from parallel_lib.viz.planner import planner_figure
+    return planner_figure()
 
 
 def select(only: Optional[Sequence[str]] = None, static: bool = False) -> list[FigureSpec]:
