@@ -22,6 +22,9 @@ functions in :mod:`parallel_lib.gpu_checks` and :mod:`parallel_lib.gpu_checks_pa
 :func:`register_check` line. Every timer waits on the devices it timed, and only
 those (:class:`~parallel_lib.common.timeline.DeviceClock`).
 
+The report ends with each chapter's check, its status and its wall time in seconds, and
+the total: on a GPU machine, the measured time per chapter.
+
 A check that checked nothing is never a pass. Without a GPU the script says so and
 exits with status 3, unless ``--allow-cpu`` is given: then it runs the same checks on
 CPU devices (gloo ranks, int keys on the CPU) with the quick sizes, which is how the
@@ -238,7 +241,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             status = "FAILED"
         free_memory()
         outcomes.append([step.name, check.chapter, status, f"{time.perf_counter() - start:.1f}"])
-    print("\n" + markdown_table(["check", "chapter", "status", "seconds"], outcomes, align="lllr"))
+    # wall time per chapter's check, the figure to quote for "minutes per chapter on GPUs"
+    print("\n" + markdown_table(["check", "chapter", "status", "wall seconds"], outcomes, align="lllr"))
+    print(f"\ntotal wall time of the checks: {sum(float(row[3]) for row in outcomes):.1f} s on {count} {kind}"
+          f"{'s' * (count > 1)}")
     return 1 if any(status == "FAILED" for _, _, status, _ in outcomes) else 0
 
 

@@ -22,11 +22,11 @@ def grid_for(n_devices: int) -> tuple[int, int, int]:
 
 def check_grid3d(n_gpus: int, quick: bool = False) -> str:
     """Chapter 10: the 3D run on ``n_gpus`` ranks; parameters vs one process, every group's bytes vs the formula."""
+    from parallel_lib.common.models import gpt2_config
     from parallel_lib.hybrid.cost3d import expected_traffic
     from parallel_lib.hybrid.dp_tp_pp import Config3D
     from parallel_lib.hybrid.layout3d import job_step_times, max_difference, reference_3d, train_3d
     from parallel_lib.tensor_parallel.cost import GPTShape
-    from parallel_lib.common.models import gpt2_config
 
     dp, tp, pp = grid_for(n_gpus)
     model, vocab, seq = ("tiny", 128, 32) if quick else ("small", 512, 128)

@@ -106,7 +106,10 @@ def check_schedules(n_gpus: int, quick: bool = False) -> str:
     loss_fn = partial(weighted_cross_entropy, denominator=batch["label_token_weights"].sum())
     m = 4 if workload.rows >= 4 else 2  # interleaved needs m a multiple of p = 2
     rows = []
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv"):
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"):
+        if name == "dualpipev" and m < 4:  # DualPipeV needs m >= 2p micro-batches
+            rows.append([name, m, f"skipped: needs m >= 4, the batch has {workload.rows} rows", "–"])
+            continue
         make_schedule(name, 2, m)  # refuses an m the schedule cannot run
         model = copy.deepcopy(reference)
         stages = gpt2_stages(model, ["cpu"] * (2 * stages_per_rank(name)))  # one Pipe layer per model stage

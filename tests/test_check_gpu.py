@@ -44,16 +44,19 @@ def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, ex
          ("model_parallel", 0, "needs >= 1 GPU, found 0"), ("pipeline", 0, "needs >= 2 GPUs, found 0"),
          ("sharding", 0, "needs >= 2 GPUs, found 0"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 0"), ("schedules", 0, "needs >= 2 GPUs, found 0"),
-         ("inference", 0, "needs >= 1 GPU, found 0")]),
+         ("inference", 0, "needs >= 1 GPU, found 0"),
+         ("grid3d", 0, "needs >= 2 GPUs, found 0")]),
     (1, [("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
          ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1"),
          ("sharding", 0, "needs >= 2 GPUs, found 1"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 1"), ("schedules", 0, "needs >= 2 GPUs, found 1"),
-         ("inference", 1, "")]),
+         ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1")]),
     (2, [("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""), ("sharding", 2, ""),
-         ("tensor_parallel", 2, ""), ("schedules", 2, ""), ("inference", 2, "")]),
+         ("tensor_parallel", 2, ""), ("schedules", 2, ""), ("inference", 2, ""),
+         ("grid3d", 2, "")]),
     (4, [("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""), ("sharding", 4, ""),
-         ("tensor_parallel", 4, ""), ("schedules", 4, ""), ("inference", 4, "")]),
+         ("tensor_parallel", 4, ""), ("schedules", 4, ""), ("inference", 4, ""),
+         ("grid3d", 4, "")]),
 ])
 def test_plan_by_gpu_count(n_gpus, expected):
     assert plan(n_gpus) == [Planned(*row) for row in expected]
@@ -64,9 +67,11 @@ def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
     full = {p.name: p.gpus for p in plan(16)}  # GPT-2 has 12
 
     assert quick == {"dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
-                     "tensor_parallel": 8, "schedules": 4, "inference": 8}
+                     "tensor_parallel": 8, "schedules": 4, "inference": 8,
+                     "grid3d": 8}
     assert full == {"dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
-                    "tensor_parallel": 16, "schedules": 12, "inference": 16}
+                    "tensor_parallel": 16, "schedules": 12, "inference": 16,
+                    "grid3d": 16}
 
 
 def test_plan_only_and_its_table():
@@ -87,7 +92,8 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
     assert [(name, c.chapter) for name, c in CHECKS.items()] == [
         ("dp", "01_data_parallel"), ("allreduce", "02_all_reduce"), ("model_parallel", "03_model_parallel"),
         ("pipeline", "04_pipeline_parallel"), ("sharding", "06_sharded_data_parallel"),
-        ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08_pipeline_schedules"), ("inference", "09_inference")]
+        ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08_pipeline_schedules"), ("inference", "09_inference"),
+        ("grid3d", "10_training_at_scale")]
     monkeypatch.setattr(check_gpu, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
@@ -150,7 +156,7 @@ def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(mon
     assert check_gpu.main(["--allow-cpu"]) == 1  # the fake pipeline check fails
     assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
                            ("pipeline", 2, True), ("sharding", 2, True), ("tensor_parallel", 2, True),
-                           ("schedules", 2, True), ("inference", 2, True)]
+                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
     assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
     fake_checks.clear()
     assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
@@ -171,18 +177,22 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     assert check_gpu.main(["--quick"]) == 1
     assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
                            ("pipeline", 2, True), ("sharding", 2, True), ("tensor_parallel", 2, True),
-                           ("schedules", 2, True), ("inference", 2, True)]
+                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-10:]
-    assert summary[:2] == ["| check | chapter | status | seconds |", "|---|---|---|---:|"]
+    summary = captured.out.splitlines()[-13:-2]
+    assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
+    total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
+    seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
+    assert total == f"total wall time of the checks: {sum(seconds):.1f} s on 2 GPUs"
     assert [line.split(" | ")[:3] for line in summary[2:]] == [
         ["| dp", "01_data_parallel", "passed"], ["| allreduce", "02_all_reduce", "passed"],
         ["| model_parallel", "03_model_parallel", "passed"], ["| pipeline", "04_pipeline_parallel", "FAILED"],
         ["| sharding", "06_sharded_data_parallel", "passed"],
         ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08_pipeline_schedules", "passed"],
-        ["| inference", "09_inference", "passed"]]
+        ["| inference", "09_inference", "passed"],
+        ["| grid3d", "10_training_at_scale", "passed"]]
 
 
 def test_main_with_one_gpu_runs_the_checks_that_need_one(monkeypatch, fake_checks):

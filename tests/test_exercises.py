@@ -3,7 +3,7 @@
 Wrong answers are written as a student would write them in a notebook cell:
 ``notebook_function`` compiles source text the way IPython runs a cell (module
 ``__main__``, source kept in ``linecache``), so the checkers see exactly what they
-see in a kernel, including ``check_average_gradients`` shipping the source to its ranks.
+see in a kernel, including ``check_average_token_gradients`` shipping the source to its ranks.
 """
 
 import itertools
@@ -48,12 +48,12 @@ def test_registry_covers_every_chapter_with_two_to_four_exercises():
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
-    assert {"average_gradients", "device_map_under_limit", "micro_batches_for_bubble", "wrong_dp_loop",
+    assert {"average_token_gradients", "device_map_under_limit", "micro_batches_for_bubble", "wrong_dp_loop",
             "ring_exchange_order", "plan_parallelism"} <= set(names)
     assert len(OURS_ALL) >= 15 and all(item.title and item.title[-1] in ".?)" for item in OURS_ALL)  # sentences
 
 
-@pytest.mark.parametrize("item", [i for i in ALL if i.name != "average_gradients"], ids=lambda i: i.name)
+@pytest.mark.parametrize("item", [i for i in ALL if i.name != "average_token_gradients"], ids=lambda i: i.name)
 def test_reference_solution_passes(item):
     result = item.check(item.solution)
     assert isinstance(result, CheckResult)
@@ -67,7 +67,7 @@ def test_unfilled_stub_is_reported_as_not_written(item):
     answer = namespace[item.answer_name]
     if callable(answer):
         assert is_stub(answer)
-    result = item.check(answer)  # a stub never reaches the ranks: instant even for average_gradients
+    result = item.check(answer)  # a stub never reaches the ranks: instant even for average_token_gradients
     assert not result.passed
     assert "not written yet" in result.message or "not answered yet" in result.message, result.message
 
@@ -206,6 +206,14 @@ WRONG = [
         def pipeline_bubble(p, m):
             return (p - 1) / m
      """, ["pipeline_bubble(4, 8)", "expected 0.272727, got 0.375", "approximation for m >> p"]),
+    ("gpipe_step_time", """
+        def gpipe_step_time(p, m, forward, backward, comm):   # the bubble picture, hand-overs left out
+            return (m + p - 1) * (forward + backward)
+     """, ["gpipe_step_time(4, 6, 1.0, 2.0, 0.25)", "expected 28.5, got 27", "how many of them lie on the path"]),
+    ("gpipe_step_time", """
+        def gpipe_step_time(p, m, forward, backward, comm):   # a hand-over in every slot
+            return (m + p - 1) * (forward + backward + 2 * comm)
+     """, ["gpipe_step_time(4, 6, 1.0, 2.0, 0.25)", "does not hold its stage"]),
     ("one_f_one_b_order", """
         def one_f_one_b_order(stage, num_stages, num_micro_batches):
             return ([f"F{i}" for i in range(num_micro_batches)]
@@ -388,35 +396,49 @@ def test_ship_keeps_the_modules_and_objects_a_notebook_function_uses():
         ship(lambda model: None)
 
 
-def test_average_gradients_reference_passes_on_real_ranks():
-    result = exercises.check_average_gradients(exercise("average_gradients").solution)
+def test_average_token_gradients_reference_passes_on_real_ranks():
+    result = exercises.check_average_token_gradients(exercise("average_token_gradients").solution)
     assert result.passed, result.message
-    assert "3 gloo ranks" in result.message
+    assert "3 gloo ranks holding 2, 5, 3 tokens" in result.message
 
 
-def test_average_gradients_that_sums_is_caught_on_real_ranks():
+def test_average_token_gradients_catches_the_plain_mean_on_real_ranks():
     fn = notebook_function("""
         import torch.distributed as dist
-        def average_gradients(model):
+        def average_token_gradients(model, n_tokens):
             for param in model.parameters():
                 if param.grad is not None:
                     dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+                    param.grad /= dist.get_world_size()    # the article's average_gradients
     """)
-    result = exercises.check_average_gradients(fn)
+    result = exercises.check_average_token_gradients(fn)
     assert not result.passed and result.failing_case == "'two linear layers'"
-    assert "is the sum over the 3 ranks" in result.message and "divide by dist.get_world_size()" in result.message
+    assert "plain mean over the ranks" in result.message and "weigh each rank's gradient" in result.message
 
 
-def test_average_gradients_crash_on_a_frozen_layer_is_caught_without_spawning():
+def test_average_token_gradients_hint_names_a_count_that_was_not_all_reduced():
+    from parallel_lib.exercises.ch02 import _TOKENS, _WORLD, _wrong_answer
+    local = [torch.full((2,), float(r + 1)) for r in range(_WORLD)]
+    weighted = sum(t * g for t, g in zip(_TOKENS, local))
+    expected = weighted / sum(_TOKENS)
+    what, hint = _wrong_answer(weighted / _TOKENS[1], expected, local, rank=1)
+    assert "own token count" in what and "all_reduce the count" in hint
+    what, hint = _wrong_answer(weighted, expected, local, rank=0)
+    assert "token-weighted sum" in what and str(sum(_TOKENS)) in hint
+
+
+def test_average_token_gradients_crash_on_a_frozen_layer_is_caught_without_spawning():
     fn = notebook_function("""
+        import torch
         import torch.distributed as dist
-        def average_gradients(model):   # the classic tutorial's loop
-            size = float(dist.get_world_size())
+        def average_token_gradients(model, n_tokens):   # forgets frozen layers
+            total = torch.tensor([float(n_tokens)])
+            dist.all_reduce(total)
             for param in model.parameters():
+                param.grad.data *= n_tokens / total.item()
                 dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
-                param.grad.data /= size
     """)
-    result = exercises.check_average_gradients(fn)
+    result = exercises.check_average_token_gradients(fn)
     assert not result.passed and not torch.distributed.is_initialized()
     assert "case 'a frozen first layer': raised AttributeError" in result.message
     assert "requires_grad=False" in result.message
@@ -431,7 +453,7 @@ def _in_float32(reference):
     return answer
 
 
-@pytest.mark.parametrize("name", ["ring_bytes_sent", "training_bytes", "pipeline_bubble", "bytes_per_device"])
+@pytest.mark.parametrize("name", ["ring_bytes_sent", "training_bytes", "gpipe_step_time", "bytes_per_device"])
 def test_float32_answers_are_accepted(name):
     item = exercise(name)
     result = item.check(_in_float32(item.solution))

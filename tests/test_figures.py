@@ -29,3 +29,23 @@ def test_unknown_selection_names_the_known_ones():
     with pytest.raises(ValueError, match="only must name figure stems or chapters.*ch04"):
         figures.select(["ch99"])
     plt.close("all")
+
+
+def test_a_calculator_panel_redraws_when_a_control_changes():
+    widgets = pytest.importorskip("ipywidgets")
+    from parallel_lib.viz.widgets import figure_panel
+
+    drawn = []
+
+    def draw(size: int, name: str):
+        drawn.append((size, name))
+        return plt.figure()
+
+    controls = dict(size=widgets.IntSlider(value=2, min=1, max=9), name=widgets.Dropdown(options=["a", "b"]))
+    panel = figure_panel(draw, controls, per_row=1)
+    assert len(panel.children) == 3 and drawn == [(2, "a")]  # one row per control, then the output
+    controls["size"].value = 5
+    controls["name"].value = "b"
+    assert drawn == [(2, "a"), (5, "a"), (5, "b")]
+    with pytest.raises(ValueError, match="per_row"):
+        figure_panel(draw, controls, per_row=0)

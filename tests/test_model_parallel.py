@@ -122,6 +122,28 @@ def test_timeline_shows_one_device_at_a_time_in_execution_order():
     assert all(len(m._forward_hooks) == 0 for m in model.modules())
 
 
+def test_timeline_on_gpus_times_each_part_with_events_on_its_own_device(monkeypatch):
+    # map keys resolve to two (fake) GPUs; the parts stay on the CPU and compute for real
+    from _fake_cuda import install
+
+    from parallel_lib.model_parallel import timeline
+
+    model = parallelize(build_gpt2("tiny", vocab_size=VOCAB), MAPS[2])
+    cuda = install(monkeypatch)
+    monkeypatch.setattr(timeline, "resolve_device", lambda key: torch.device("cuda", key))
+    with record_timeline(model) as events:
+        model(**_batch()).loss.backward()
+        assert events == [] and cuda.synchronized == ["cuda:0", "cuda:1"]  # no wait while it runs
+    assert cuda.synchronized[2:] == ["cuda:0", "cuda:1"]  # one wait per GPU, at the end
+    for k in (0, 1):
+        on_lane = [e for e in events if e.lane == f"device {k}"]
+        # a start and an end event per bar, on the part's own device, plus that device's zero event;
+        # the "loss" bar on device 0 starts at the LM head's end event rather than a new one
+        assert len(cuda.recorded_on(f"cuda:{k}")) == 2 * len(on_lane) + 1 - (k == 0)
+    assert {e.label for e in events if e.lane == "device 1"} == {"h2", "h3", "ln_f"}
+    assert max_concurrency(events, tolerance=0.0) == 1 and len(events) == 16
+
+
 def test_timeline_counts_forward_calls_and_skips_backward_under_no_grad():
     model = parallelize_sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), {0: [0, 1], 1: [2]})
     with record_timeline(model) as events, torch.no_grad():

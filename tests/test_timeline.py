@@ -110,3 +110,31 @@ def test_synchronize_devices_waits_on_each_cuda_device_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(str(device)))
     synchronize_devices([torch.device("cpu"), torch.device("cuda:1"), torch.device("cuda:0"), torch.device("cuda:1")])
     assert waited == ["cuda:1", "cuda:0"]  # named devices, not just the current one; CPUs skipped
+
+
+def test_cuda_event_stamps_are_recorded_on_each_devices_stream_and_resolved_once(monkeypatch):
+    import torch
+    from _fake_cuda import install
+
+    cuda = install(monkeypatch)
+    gpus = [torch.device("cuda:0"), torch.device("cuda:1")]
+    rec = TimelineRecorder(event_devices=[*gpus, torch.device("cpu"), gpus[0]])
+    assert rec.event_devices == gpus  # CPUs and repeats dropped
+    assert [str(e.stream.device) for e in cuda.events] == ["cuda:0", "cuda:1"]  # one zero event per GPU
+    assert cuda.synchronized == ["cuda:0", "cuda:1"]  # zero taken with every GPU idle
+    for k, gpu in enumerate(gpus):
+        start = rec.stamp(gpu)
+        end = rec.stamp(gpu)
+        rec.add_stamped(f"device {k}", "forward", 0, start, end, f"h{k}")
+    cpu_start = rec.stamp(torch.device("cpu"))
+    assert isinstance(cpu_start, float)  # the host clock, as before
+    rec.add_stamped("cpu", "forward", 0, cpu_start, rec.stamp(None), "host")
+    assert [e.lane for e in rec.events] == ["cpu"]  # GPU intervals wait for resolve()
+    assert len(cuda.recorded_on("cuda:0")) == len(cuda.recorded_on("cuda:1")) == 3
+    assert cuda.synchronized == ["cuda:0", "cuda:1"]  # stamping never waits for a device
+    events = rec.resolve()
+    assert events is rec.events and cuda.synchronized[2:] == ["cuda:0", "cuda:1"]
+    assert sorted(e.lane for e in events) == ["cpu", "device 0", "device 1"]
+    assert [e.start for e in events] == sorted(e.start for e in events)
+    assert all(0 <= e.start <= e.end for e in events)
+    assert rec.resolve() == events  # nothing pending twice

@@ -14,12 +14,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
-__all__ = ["Event", "TimelineRecorder", "synchronize_devices", "DeviceClock", "lanes", "makespan", "busy_time", "max_concurrency",
-           "idle_fraction"]
+__all__ = ["Event", "TimelineRecorder", "Stamp", "synchronize_devices", "DeviceClock", "lanes", "makespan", "busy_time",
+           "max_concurrency", "idle_fraction"]
 
 KINDS = ("forward", "backward", "comm", "prefill", "decode")  # the last two: serving (ch. 09)
 
@@ -55,6 +55,24 @@ class Event:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class _CudaStamp:
+    """A CUDA event recorded on ``device``'s current stream: a time known once the device gets there."""
+
+    device: torch.device
+    event: Any  # torch.cuda.Event(enable_timing=True)
+
+
+Stamp = Union[float, _CudaStamp]  # what TimelineRecorder.stamp returns: seconds now, or a pending CUDA event
+
+
+def _cuda_event(device: torch.device) -> _CudaStamp:
+    """Record a timing event on ``device``'s current stream (where that device's kernels are queued)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return _CudaStamp(device, event)
+
+
 class TimelineRecorder:
     """Collects :class:`Event` objects from any number of threads.
 
@@ -62,10 +80,21 @@ class TimelineRecorder:
     made (or last :meth:`reset`). ``synchronize`` is called before each time stamp:
     CUDA kernels run asynchronously, so without ``torch.cuda.synchronize`` a GPU
     timeline would show when work was queued, not when it ran.
+
+    ``event_devices`` is the other way to time GPUs, the one that does not change what it
+    measures: :meth:`stamp` on one of those devices records a CUDA event on the device's
+    current stream instead of waiting for it, so each device runs as it would untimed and
+    the events say when *that device* got to each point. Intervals stamped that way are
+    kept pending until :meth:`resolve` (one synchronisation at the end) turns them into
+    events. Each device's times count from a zero event recorded on it at :meth:`reset`,
+    after every device was idle, plus the host time of that recording, so lanes of
+    different GPUs share one time axis.
     """
 
-    def __init__(self, synchronize: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, synchronize: Optional[Callable[[], None]] = None,
+                 event_devices: Iterable[torch.device] = ()) -> None:
         self._synchronize = synchronize
+        self.event_devices = [d for d in dict.fromkeys(event_devices) if d.type == "cuda"]
         self._lock = threading.Lock()
         self.events: list[Event] = []
         self.reset()
@@ -74,9 +103,14 @@ class TimelineRecorder:
         """Forget recorded events and restart the clock at zero (once the device is idle, if one was given)."""
         if self._synchronize is not None:
             self._synchronize()
+        synchronize_devices(self.event_devices)
         with self._lock:
             self.events = []
+            self._pending: list[tuple] = []
             self._zero: float = time.perf_counter()
+            # per GPU: a zero event, and the host time it was recorded at; the devices are idle,
+            # so it fires at once, and the offset puts every GPU's lane on the host's time axis
+            self._zero_events = {d: (_cuda_event(d), time.perf_counter() - self._zero) for d in self.event_devices}
 
     def now(self) -> float:
         """Seconds since zero, after synchronising the device if one was given."""
@@ -84,12 +118,47 @@ class TimelineRecorder:
             self._synchronize()
         return time.perf_counter() - self._zero
 
+    def stamp(self, device: Optional[torch.device] = None) -> Stamp:
+        """A time stamp for work on ``device``: a CUDA event on its stream if it is one of
+        ``event_devices``, else :meth:`now`."""
+        if device is not None and device in self._zero_events:
+            return _cuda_event(device)
+        return self.now()
+
     def add(self, lane: str, kind: str, micro_batch: Optional[int], start: float, end: float, label: str = "") -> Event:
         """Append an event measured elsewhere (thread-safe) and return it."""
         event = Event(lane, kind, micro_batch, start, end, label)
         with self._lock:
             self.events.append(event)
         return event
+
+    def add_stamped(self, lane: str, kind: str, micro_batch: Optional[int], start: Stamp, end: Stamp,
+                    label: str = "") -> None:
+        """Like :meth:`add` with two :meth:`stamp` results; CUDA ones wait for :meth:`resolve`."""
+        if isinstance(start, float) and isinstance(end, float):
+            self.add(lane, kind, micro_batch, start, end, label)
+            return
+        with self._lock:
+            self._pending.append((lane, kind, micro_batch, start, end, label))
+
+    def _seconds(self, stamp: Stamp) -> float:
+        if isinstance(stamp, float):
+            return stamp
+        zero, offset = self._zero_events[stamp.device]
+        return offset + zero.event.elapsed_time(stamp.event) / 1e3  # ms -> s
+
+    def resolve(self) -> list[Event]:
+        """Wait for the event devices, turn every pending interval into an :class:`Event`
+        (appended to :attr:`events`, in start order) and return :attr:`events`."""
+        synchronize_devices(self.event_devices)
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for lane, kind, micro_batch, start, end, label in pending:
+            first, last = self._seconds(start), self._seconds(end)
+            self.add(lane, kind, micro_batch, first, max(first, last), label)  # clamp sub-microsecond reorderings
+        with self._lock:
+            self.events.sort(key=lambda e: e.start)
+        return self.events
 
     @contextmanager
     def record(self, lane: str, kind: str, micro_batch: Optional[int] = None, label: str = "") -> Iterator[None]:

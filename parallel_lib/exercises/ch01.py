@@ -52,9 +52,9 @@ STEPS_STUB = '''\
 def steps_per_epoch(n, world_size, global_batch_size, drop_last=False):
     """Optimizer steps per epoch when `world_size` ranks share `n` examples (as partition_dataset does).
 
-    Every rank gets the same number of examples: ceil(n / world_size), repeating a few examples
-    to fill up, or floor(n / world_size) with drop_last=True. Each step a rank loads
-    global_batch_size // world_size of them; the last step of an epoch may be smaller.
+    Every rank gets the same number of examples: a few are repeated to fill up the last ranks,
+    or, with drop_last=True, the extra ones are left out. Each step, every rank loads its share
+    of the global batch; the last step of an epoch may be smaller. Section 1 shows the rule.
     """
     ...  # your code here
 '''
@@ -278,20 +278,18 @@ def check_wrong_dp_loop(answer: Any) -> CheckResult:
                        compare=compare, hint=hint)
 
 
+# local_batch_size stays importable (its checker) but is no exercise: section 1 prints its rule.
 EXERCISES = [
     Exercise("partition_indices", check_partition_indices, PARTITION_STUB, solution("partition_indices"),
              "Write `partition_indices(n, world_size, seed)`: shuffle the example indices with `seed` and cut "
              "them into `world_size` partitions that lose no example (the article's `int(size * len)` drops "
              "one of 10 over 3 ranks)."),
-    Exercise("local_batch_size", check_local_batch_size, LOCAL_BATCH_STUB, solution("local_batch_size"),
-             "Write `local_batch_size(global_batch_size, world_size)`: the examples each rank loads per step, "
-             "and a ValueError when the global batch does not split evenly."),
     Exercise("steps_per_epoch", check_steps_per_epoch, STEPS_STUB, solution("steps_per_epoch"),
              "Write `steps_per_epoch(n, world_size, global_batch_size, drop_last)`: the optimizer steps of one "
              "epoch when the ranks share `n` examples as `partition_dataset` does."),
     Exercise("wrong_dp_loop", check_wrong_dp_loop, WRONG_LOOP_STUB, solution("WRONG_DP_LOOP"),
              "Spot the wrong loop. Each rank runs one of these on its own part of the global batch:\n\n"
              + "\n".join(f"- **{k}**: `{v}`" for k, v in _LOOPS.items())
-             + "\n\nOnly one of them leaves the parameters of one process trained on the whole batch. Which, and "
-             "why? The checker runs all three before it compares."),
+             + "\n\nTwo of them leave every rank with the parameters of one process trained on the whole batch; "
+             "one does not. Which, and why? The checker runs all three before it compares."),
 ]

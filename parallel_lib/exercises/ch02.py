@@ -1,10 +1,11 @@
 """Exercises for chapter 02: averaging gradients over real ranks, and the ring all-reduce's steps.
 
-``check_average_gradients`` runs the student's function where it matters: in
-``_WORLD`` real gloo ranks started by ``parallel_lib.runtime.launcher``, each holding the
-gradients of its own batch (see ``_shipping`` for how a notebook function gets there).
-Before paying for the spawn, it calls the function once in this process, in a
-one-rank group, so that a crash is reported at once and with its own traceback line.
+``check_average_token_gradients`` runs the student's function in ``_WORLD`` real gloo ranks,
+each holding the gradient of the *mean* loss over its own, unequal number of tokens (``_shipping``
+says how a notebook function gets there). Chapter 01 prints the article's plain mean over ranks;
+this asks for the step it leaves out, weighing each rank by its tokens. Before paying for the
+spawn, the checker calls the function once in a one-rank group here, so that a crash is
+reported at once and with its own traceback line.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from parallel_lib.exercises._shipping import ShippedFunction, ship
 from parallel_lib.exercises.ch02_overlap import OVERLAP_STUB, check_bucketed_allreduce
 from parallel_lib.runtime.launcher import LaunchTimeoutError, RankError, launch
 
-__all__ = ["check_average_gradients", "check_ring_bytes_sent", "check_ring_send_chunk", "EXERCISES"]
+__all__ = ["check_average_token_gradients", "check_ring_bytes_sent", "check_ring_send_chunk", "EXERCISES"]
 
-AVERAGE_GRADIENTS_STUB = '''\
-def average_gradients(model):
-    """After loss.backward() on every rank: replace each parameter's .grad by its mean over all ranks.
+AVERAGE_TOKENS_STUB = '''\
+def average_token_gradients(model, n_tokens):
+    """After loss.backward() on every rank, where rank r's loss was the MEAN over its own `n_tokens`
+    target tokens (an int; the ranks hold different numbers): leave in every .grad the gradient of
+    the mean over ALL ranks' tokens, the same on every rank. Skip parameters without a gradient.
 
-    Use torch.distributed (import torch.distributed as dist): dist.all_reduce and dist.get_world_size().
+    Use torch.distributed (import torch.distributed as dist).
     """
     ...  # your code here
 '''
@@ -66,19 +69,36 @@ def ring_send_chunk(rank, step, world_size):
 '''
 
 _WORLD = 3                  # not 2, so that "divide by 2" cannot pass for "divide by the world size"
+_TOKENS = (2, 5, 3)         # tokens (rows) of each rank's batch: unequal, so the plain mean over ranks is wrong
 _LAUNCH_TIMEOUT_S = 60.0    # a few tiny all-reduces once the ranks have started (start-up has its own 60 s)
 _CASES = ("two linear layers", "a frozen first layer")
 
 
-def _replica(case: str, rank: int) -> nn.Module:
-    """The same model on every rank, with gradients of rank ``rank``'s own batch."""
+def _batch(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s batch: ``_TOKENS[rank]`` rows, one token each."""
+    return torch.randn(_TOKENS[rank], 3, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _model(case: str) -> nn.Module:
     with torch.random.fork_rng(devices=[]):  # leave the notebook's random state alone
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-        if case == "a frozen first layer":
-            model[0].requires_grad_(False)
-        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(100 + rank))  # (batch, features)
-    model(x).pow(2).sum().backward()
+    if case == "a frozen first layer":
+        model[0].requires_grad_(False)
+    return model
+
+
+def _replica(case: str, rank: int) -> nn.Module:
+    """The same model on every rank, holding the gradient of the mean loss over its own tokens."""
+    model = _model(case)
+    model(_batch(rank)).pow(2).sum(1).mean().backward()
+    return model
+
+
+def _global_reference(case: str) -> nn.Module:
+    """One process on every rank's tokens at once: the gradient of the mean over all of them."""
+    model = _model(case)
+    model(torch.cat([_batch(r) for r in range(_WORLD)])).pow(2).sum(1).mean().backward()
     return model
 
 
@@ -86,14 +106,14 @@ def _grads(model: nn.Module) -> dict[str, Optional[torch.Tensor]]:
     return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _average_gradients_rank(rank: int, world_size: int, student: ShippedFunction) -> list[dict]:
+def _average_tokens_rank(rank: int, world_size: int, student: ShippedFunction) -> list[dict]:
     """Worker run by every rank: each case's gradients after the student's function."""
     fn = student.load()
     results = []
     for case in _CASES:
         model = _replica(case, rank)
         try:
-            fn(model)
+            fn(model, _TOKENS[rank])
         except Exception as error:
             raise RuntimeError(f"case {case!r}: {type(error).__name__}: {error}") from error
         results.append(_grads(model))
@@ -111,7 +131,7 @@ def _single_rank_trial(fn: Any) -> Optional[tuple[str, str]]:
     try:
         for case in _CASES:
             try:
-                fn(_replica(case, 0))
+                fn(_replica(case, 0), _TOKENS[0])
             except Exception as error:
                 return repr(case), f"raised {type(error).__name__}: {error}"
     finally:
@@ -127,15 +147,43 @@ def _crash_hint(message: str) -> str:
     if "None" in message:
         return "a parameter with requires_grad=False has no gradient (.grad is None): skip it"
     if "NameError" in message:
-        return ("the ranks run only the source of average_gradients and the modules it uses; "
+        return ("the ranks run only the source of average_token_gradients and the modules it uses; "
                 "import inside the function or define helpers inside it")
     return ""
 
 
+def _wrong_answer(got: torch.Tensor, expected: torch.Tensor, local: list[torch.Tensor], rank: int) -> tuple[str, str]:
+    """What a wrong gradient is (recognising the typical mistakes) and a hint."""
+    def same(a: torch.Tensor) -> bool:
+        return torch.allclose(got, a, rtol=1e-5, atol=1e-6)
+
+    total, n = sum(_TOKENS), _TOKENS[rank]
+    weighted = sum(t * g for t, g in zip(_TOKENS, local))
+    if same(torch.stack(local).mean(0)):
+        return ("is the plain mean over the ranks (the article's average_gradients)",
+                f"that mean weighs a token of a rank with {min(_TOKENS)} tokens like "
+                f"{max(_TOKENS) / min(_TOKENS):g} tokens of one with {max(_TOKENS)}: weigh each rank's gradient by "
+                "its token count before summing")
+    if same(torch.stack(local).sum(0)):
+        return "is the plain sum over the ranks", "weigh each rank's gradient by its tokens, then divide by all tokens"
+    if same(weighted):
+        return "is the token-weighted sum", f"divide by the tokens of all ranks ({total}), which needs an all_reduce"
+    if same(weighted / (n * _WORLD)) or same(weighted / n):
+        return ("was divided by this rank's own token count",
+                "every rank must divide by the same number, the tokens of all ranks: all_reduce the count too")
+    if same(weighted / _WORLD):
+        return "was divided by the world size", f"divide by the tokens of all ranks ({total}), not by the ranks"
+    if same(local[rank]):
+        return "is unchanged", "all_reduce each gradient (it works in place)"
+    return (f"expected {show(expected.flatten().tolist())}, got {show(got.flatten().tolist())}",
+            "the mean over all tokens is (sum over ranks of tokens_r * gradient_r) / (sum of tokens_r)")
+
+
 def _compare(results: list[list[dict]]) -> Optional[tuple[str, str, str]]:
-    """(case, what is wrong, hint) for the first gradient that is not the mean over ranks, else None."""
+    """(case, what is wrong, hint) for the first gradient that is not the global token mean, else None."""
     for c, case in enumerate(_CASES):
         local = [_grads(_replica(case, r)) for r in range(_WORLD)]
+        reference = _grads(_global_reference(case))
         for rank in range(_WORLD):
             for name, own in local[rank].items():
                 got = results[rank][c][name]
@@ -143,28 +191,26 @@ def _compare(results: list[list[dict]]) -> Optional[tuple[str, str, str]]:
                     if got is not None and bool(got.any()):
                         return case, f"rank {rank}: '{name}' is frozen but got a gradient", "skip frozen parameters"
                     continue
-                mean = torch.stack([local[r][name] for r in range(_WORLD)]).mean(0)
-                if got is not None and torch.allclose(got, mean, rtol=1e-5, atol=1e-6):
+                expected = reference[name]
+                assert expected is not None
+                if got is not None and torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
                     continue
                 where = f"rank {rank}, gradient of '{name}'"
                 if got is None:
-                    return case, f"{where} is None", "keep the gradients: average them in place"
-                if torch.allclose(got, mean * _WORLD, rtol=1e-5, atol=1e-6):
-                    return case, f"{where} is the sum over the {_WORLD} ranks", "divide by dist.get_world_size()"
-                if torch.allclose(got, own):
-                    return case, f"{where} is unchanged", "all_reduce each gradient (it works in place)"
-                return (case, f"{where}: expected {show(mean.flatten().tolist())}, got {show(got.flatten().tolist())}",
-                        "all_reduce(SUM) each gradient, then divide by the world size")
+                    return case, f"{where} is None", "keep the gradients: change them in place"
+                what, hint = _wrong_answer(got, expected, [g[name] for g in local], rank)  # type: ignore[misc]
+                return case, f"{where} {what}", hint
     return None
 
 
-def check_average_gradients(fn: Any) -> CheckResult:
-    """Check ``average_gradients(model)`` in a real ``_WORLD``-rank gloo job (a few seconds).
+def check_average_token_gradients(fn: Any) -> CheckResult:
+    """Check ``average_token_gradients(model, n_tokens)`` in a real ``_WORLD``-rank gloo job (a few seconds).
 
-    Every rank builds the same small model, computes the gradients of its own batch and
-    calls ``fn``; afterwards every rank's gradients must equal their mean over the ranks.
+    Every rank builds the same small model, computes the gradient of the mean loss over its
+    own ``_TOKENS[rank]`` tokens and calls ``fn``; afterwards every rank's gradients must equal
+    those of one process on all the ranks' tokens at once.
     """
-    name = "average_gradients"
+    name = "average_token_gradients"
     require_callable(fn, name)
     if is_stub(fn):
         return stub_result(name, name)
@@ -172,7 +218,7 @@ def check_average_gradients(fn: Any) -> CheckResult:
     if crash:
         return failed(name, crash[0], crash[1], _crash_hint(crash[1]))
     try:
-        results = launch(_average_gradients_rank, _WORLD, ship(fn), backend="gloo", timeout=_LAUNCH_TIMEOUT_S,
+        results = launch(_average_tokens_rank, _WORLD, ship(fn), backend="gloo", timeout=_LAUNCH_TIMEOUT_S,
                          threads_per_rank=1)
     except ValueError as error:  # the source could not be read
         return failed(name, None, str(error))
@@ -182,7 +228,7 @@ def check_average_gradients(fn: Any) -> CheckResult:
         return failed(name, None, f"the {_WORLD} ranks did not finish within {_LAUNCH_TIMEOUT_S:g} s", _SAME_CALLS)
     except RankError as error:
         last = error.traceback_text.strip().splitlines()[-1] if error.traceback_text else str(error)
-        match = re.fullmatch(r"RuntimeError: case ('.*?'): (.*)", last)  # raised by _average_gradients_rank
+        match = re.fullmatch(r"RuntimeError: case ('.*?'): (.*)", last)  # raised by _average_tokens_rank
         case, crash = match.groups() if match else (None, last)
         # a rank that fails in a collective while others have returned: the others skipped it
         hint = _SAME_CALLS if error.returned else _crash_hint(crash)
@@ -191,7 +237,7 @@ def check_average_gradients(fn: Any) -> CheckResult:
     if problem:
         case, what, hint = problem
         return failed(name, repr(case), what, hint)
-    return passed(name, f"{len(_CASES)} cases on {_WORLD} gloo ranks")
+    return passed(name, f"{len(_CASES)} cases on {_WORLD} gloo ranks holding {', '.join(map(str, _TOKENS))} tokens")
 
 
 def _bytes_per_rank(nbytes: int, world_size: int) -> float:
@@ -235,9 +281,12 @@ def check_ring_send_chunk(fn: Any) -> CheckResult:
 
 
 EXERCISES = [
-    Exercise("average_gradients", check_average_gradients, AVERAGE_GRADIENTS_STUB, solution("average_gradients"),
-             "Write `average_gradients(model)` in this notebook and watch it run on 3 real gloo ranks: the "
-             "checker ships your cell to them. It must survive a frozen layer (a parameter without `.grad`)."),
+    Exercise("average_token_gradients", check_average_token_gradients, AVERAGE_TOKENS_STUB,
+             solution("average_token_gradients"),
+             "Chapter 01's `average_gradients` takes the plain mean of the ranks' gradients. When rank r's loss is "
+             "the mean over its own n_r tokens, that is not the gradient one process would compute on all the "
+             "tokens. Write `average_token_gradients(model, n_tokens)`, which is; the checker ships your cell to 3 "
+             "gloo ranks holding 2, 5 and 3 tokens, one case with a frozen layer."),
     Exercise("bucketed_allreduce", check_bucketed_allreduce, OVERLAP_STUB, solution("attach_bucketed_allreduce"),
              "Overlap communication with backward: write `attach_bucketed_allreduce(model, bucket_bytes)`, which "
              "hooks the parameters so that buckets of gradients are all-reduced while `loss.backward()` still "

@@ -1,5 +1,6 @@
-"""Exercises for chapter 04: the bubble, a micro-batch count that meets a bubble target in the simulator,
-and one stage's 1F1B order (``check_clock_cycles`` remains for GPipe's clock cycles)."""
+"""Exercises for chapter 04: a GPipe step's time with slow hand-overs, a micro-batch count that meets a
+bubble target in the simulator, and one stage's 1F1B order (``check_clock_cycles`` and
+``check_pipeline_bubble`` remain as checkers; chapter 04 prints both answers, so neither is an exercise)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from parallel_lib.exercises._core import (
     same_number,
     show,
 )
-from parallel_lib.common.timeline import idle_fraction
+from parallel_lib.common.timeline import idle_fraction, makespan
 from parallel_lib.pipeline_parallel.schedule import Action, _clock_cycles, bubble_fraction, gpipe, one_f_one_b, simulate
 
-__all__ = ["check_clock_cycles", "check_pipeline_bubble", "check_micro_batches_for_bubble", "check_one_f_one_b_order",
-           "EXERCISES"]
+__all__ = ["check_clock_cycles", "check_pipeline_bubble", "check_gpipe_step_time", "check_micro_batches_for_bubble",
+           "check_one_f_one_b_order", "EXERCISES"]
 
 CLOCK_CYCLES_STUB = '''\
 def _clock_cycles(num_batches, num_partitions):
@@ -47,6 +48,15 @@ BUBBLE_STUB = '''\
 def pipeline_bubble(p, m):
     """Share of time each of `p` stages sits idle in a GPipe step of `m` micro-batches
     (every stage takes the same time for a micro-batch)."""
+    ...  # your code here
+'''
+
+STEP_TIME_STUB = '''\
+def gpipe_step_time(p, m, forward, backward, comm):
+    """How long one GPipe training step of `p` stages and `m` micro-batches takes, when every stage
+    needs `forward` for a micro-batch's forward, `backward` for its backward, and every hand-over
+    of a tensor from one stage to the next (activations forward, gradients backward) takes `comm`
+    on a link of its own (the stages keep computing meanwhile)."""
     ...  # your code here
 '''
 
@@ -101,6 +111,36 @@ def check_pipeline_bubble(fn: Any) -> CheckResult:
     cases = [Case(shape, bubble_fraction(*shape)) for shape in shapes]
     return check_function("pipeline_bubble", fn, "pipeline_bubble", cases, normalise=as_number,
                           compare=same_number, hint=_bubble_hint)
+
+
+def _simulated_step(p: int, m: int, forward: float, backward: float, comm: float) -> float:
+    return makespan(simulate(gpipe(p, m), (forward, backward), comm=comm))
+
+
+def _step_time_hint(args: tuple, got: Any) -> str:
+    p, m, forward, backward, comm = args
+    if not isinstance(got, float):
+        return ""
+    compute = (m + p - 1) * (forward + backward)
+    guesses = {compute: "that is the step without hand-overs: how many of them lie on the path that ends the step?",
+               compute + (p - 1) * comm: "the gradients cross the same p - 1 boundaries on the way back",
+               compute + 2 * (m + p - 1) * comm: "a hand-over does not hold its stage: only those on the critical "
+                                                 "path (the first micro-batch down, the last one back) add up",
+               m * (p * (forward + backward) + 2 * (p - 1) * comm): "the micro-batches overlap: that is running "
+                                                                   "them one after another"}
+    for value, hint in guesses.items():
+        if close(value, got):
+            return hint
+    return "follow micro-batch 0 down the stages and the last micro-batch back up: which waits are on that path?"
+
+
+def check_gpipe_step_time(fn: Any) -> CheckResult:
+    """Check ``gpipe_step_time(p, m, forward, backward, comm)`` against the simulator's GPipe step."""
+    shapes = [(2, 1, 1.0, 2.0, 0.0), (4, 6, 1.0, 2.0, 0.25), (2, 4, 1.0, 2.0, 0.5), (1, 3, 1.0, 2.0, 5.0),
+              (5, 8, 0.5, 1.0, 2.0), (3, 2, 2.0, 3.0, 1.0)]
+    cases = [Case(shape, _simulated_step(*shape)) for shape in shapes]
+    return check_function("gpipe_step_time", fn, "gpipe_step_time", cases, normalise=as_number, compare=same_number,
+                          hint=_step_time_hint)
 
 
 _ACTION = re.compile(r"^([FB])(\d+)$")
@@ -176,11 +216,13 @@ def check_micro_batches_for_bubble(fn: Any) -> CheckResult:
                           hint=_target_hint)
 
 
-# clock_cycles stays importable (check_clock_cycles) but is no exercise: chapter 04 prints it.
+# clock_cycles and pipeline_bubble stay importable (their checkers) but are no exercises: chapter 04 prints both.
 EXERCISES = [
-    Exercise("pipeline_bubble", check_pipeline_bubble, BUBBLE_STUB, solution("pipeline_bubble"),
-             "Write `pipeline_bubble(p, m)`: the share of a GPipe step each of `p` equal stages sits idle with "
-             "`m` micro-batches. Derive it from the picture of the schedule, not from the text."),
+    Exercise("gpipe_step_time", check_gpipe_step_time, STEP_TIME_STUB, solution("gpipe_step_time"),
+             "Write `gpipe_step_time(p, m, forward, backward, comm)`: how long a GPipe step takes when every "
+             "hand-over between two stages costs `comm`. The bubble formula above assumes free hand-overs; "
+             "which of them lengthen the step, and which hide behind other work? The checker compares with "
+             "the simulator."),
     Exercise("micro_batches_for_bubble", check_micro_batches_for_bubble, TARGET_STUB,
              solution("micro_batches_for_bubble"),
              "Write `micro_batches_for_bubble(p, target, stage_costs)`: the fewest micro-batches that bring a "

@@ -91,7 +91,7 @@ def grade_notebook(path: str | Path) -> Grades:
     """Run a saved notebook's exercise cells (only those) and grade them, as :func:`grade` does in a kernel.
 
     The stub cells run in a fresh ``__main__``-like namespace with their source kept where
-    ``inspect`` finds it (so ``average_gradients`` can still be shipped to ranks). An answer cell
+    ``inspect`` finds it (so ``average_token_gradients`` can still be shipped to ranks). An answer cell
     that raises counts as not written.
     """
     path = Path(path)

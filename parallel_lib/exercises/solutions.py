@@ -5,7 +5,7 @@ Each function has the signature of its stub cell and uses only Python, ``math`` 
 these: they compare against the library's own functions (``ring_chunks``,
 ``get_device_map``, ``training_memory``, ...), so the test suite that runs every checker
 on these solutions also checks that two independent writings of each idea agree.
-Every exercise's answer is here, ``average_gradients``, ``_clock_cycles`` and ``pipeline_bubble``
+Every exercise's answer is here, ``average_token_gradients``, ``_clock_cycles`` and ``pipeline_bubble``
 included (their checkers compare with the library's own versions). A graded lab removes this
 file (``python -m parallel_lib.exercises hide-solutions``); the checkers do not need it.
 """
@@ -19,9 +19,9 @@ import torch
 
 __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "partition_indices", "local_batch_size", "steps_per_epoch", "WRONG_DP_LOOP",
-           "average_gradients", "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk",
+           "average_token_gradients", "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk",
            "balanced_device_map", "device_map_under_limit", "training_bytes",
-           "_clock_cycles", "pipeline_bubble", "one_f_one_b_order", "micro_batches_for_bubble",
+           "_clock_cycles", "pipeline_bubble", "gpipe_step_time", "one_f_one_b_order", "micro_batches_for_bubble",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
 
 
@@ -63,14 +63,18 @@ WRONG_DP_LOOP = ("B", 1)
 
 
 # --------------------------------------------------------------------------- chapter 02
-def average_gradients(model) -> None:
+def average_token_gradients(model, n_tokens: int) -> None:
     import torch.distributed as dist
-    world_size = dist.get_world_size()
+    # rank r holds the gradient of (sum of its token losses) / n_r: times n_r it is the gradient of
+    # the sum; summed over the ranks and divided by all tokens, the gradient of the global mean
+    total = torch.tensor([float(n_tokens)])
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
     for param in model.parameters():
         if param.grad is None:  # a frozen layer, or one this batch did not reach
             continue
+        param.grad *= n_tokens
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-        param.grad /= world_size
+        param.grad /= total.item()
 
 
 def attach_bucketed_allreduce(model, bucket_bytes: int):
@@ -176,6 +180,14 @@ def _clock_cycles(num_batches: int, num_partitions: int):
 def pipeline_bubble(p: int, m: int) -> float:
     # a step lasts m + p - 1 slots; each stage works m of them
     return (p - 1) / (m + p - 1)
+
+
+def gpipe_step_time(p: int, m: int, forward: float, backward: float, comm: float) -> float:
+    # without hand-overs: m + p - 1 slots of forward + backward. A hand-over never holds a stage, so
+    # only those on the critical path count: micro-batch 0 crossing the p - 1 boundaries on the way
+    # down (the last stage's forwards then follow back to back), and the last micro-batch's
+    # gradient crossing them on the way back up
+    return (m + p - 1) * (forward + backward) + 2 * (p - 1) * comm
 
 
 def micro_batches_for_bubble(p: int, target: float, stage_costs) -> int:

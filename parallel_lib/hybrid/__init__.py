@@ -4,9 +4,9 @@ gradients (tied sum, bucketed dp mean), data parallelism over pipelines and its 
 """
 
 from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid, run_hybrid_many
+from parallel_lib.hybrid.dp_tp_pp import Config3D, Result3D, run_3d, run_3d_many
 from parallel_lib.hybrid.gradients import StageGradients
 from parallel_lib.hybrid.grid import RankGrid, new_groups
-from parallel_lib.hybrid.dp_tp_pp import Config3D, Result3D, run_3d, run_3d_many
 from parallel_lib.hybrid.grid3d import Grid3D, new_groups_3d
 from parallel_lib.hybrid.layout3d import LayoutMeasurement, max_difference, measure_layout, reference_3d, train_3d
 from parallel_lib.hybrid.results import HEAD_COPY, HybridResult, compare_with_reference, gather_state, summarize

@@ -23,7 +23,7 @@ from the tensors (:func:`~parallel_lib.model_parallel.memory.memory_report`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -245,7 +245,3 @@ def run_3d_many(rank: int, world_size: int, configs: Sequence[Config3D]) -> list
     """:func:`run_3d` for each config in turn, in one launch (starting ranks costs seconds)."""
     return [run_3d(rank, world_size, config) for config in configs]
 
-
-def with_layout(config: Config3D, dp: int, tp: int, pp: int) -> Config3D:
-    """``config`` on another grid."""
-    return replace(config, dp=dp, tp=tp, pp=pp)

@@ -12,10 +12,10 @@ Which axis varies fastest decides which groups hold neighbouring ranks, and in a
 neighbouring ranks share a node. Tensor parallelism goes first because it sends the most,
 most often and on the critical path (four all-reduces of the activations per block and
 micro-batch, nothing to overlap them with), so it needs NVLink inside a node. Megatron-LM
-always puts tp first (``parallel_state.initialize_model_parallel``, ``order="tp-cp-ep-dp-pp"``
-by default, ``"tp-cp-pp-ep-dp"`` as the alternative it tests). Its default puts dp before pp:
-a pipeline's send/recv of one micro-batch's activations is the smallest traffic and can cross
-the slowest links. This course's default is ``"tp-pp-dp"``, the other order Megatron allows:
+puts tp first too (``parallel_state.initialize_model_parallel``: ``order="tp-cp-ep-dp-pp"`` by
+default; its unit tests also run ``"tp-cp-pp-ep-dp"``). Its default puts dp before pp, so pp
+varies slowest: a pipeline's send/recv of one micro-batch's activations is the smallest
+traffic and can cross the slowest links. This course's default is ``"tp-pp-dp"``, the other order:
 it extends chapter 05's ``(dp, pp)`` grid, one replica a block of neighbouring ranks, so a
 replica that fits in one node keeps all its traffic but the gradient all-reduce inside it.
 ``order="tp-dp-pp"`` gives Megatron's default; the groups are slices either way.

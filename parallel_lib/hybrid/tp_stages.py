@@ -32,7 +32,7 @@ from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.gpt2 import TensorParallelGPT2
 from parallel_lib.tensor_parallel.vocab import vocab_parallel_cross_entropy
 
-__all__ = ["TensorParallelStage", "stage_blocks", "stage_loss"]
+__all__ = ["TensorParallelStage", "stage_blocks", "stage_loss", "owned_names", "dense_state"]
 
 
 def stage_blocks(n_layer: int, pp: int) -> list[list[int]]:

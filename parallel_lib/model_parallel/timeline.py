@@ -2,7 +2,9 @@
 
 :func:`record_timeline` hooks each placed part (forward hooks for the forward pass,
 autograd hooks for the backward pass) and records one timeline event per part and
-pass, so chapter 03 can show that only one device works at a time.
+pass, so chapter 03 can show that only one device works at a time. On GPUs each bar is
+measured by CUDA events recorded on its own device's stream (per-device busy intervals of
+the real run, nothing synchronised in between); on CPUs by the host clock.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from parallel_lib.common.models import build_gpt2
-from parallel_lib.common.timeline import Event, TimelineRecorder, makespan, synchronize_devices
+from parallel_lib.common.timeline import Event, Stamp, TimelineRecorder, makespan, synchronize_devices
 from parallel_lib.model_parallel.device_map import DeviceMap, get_device_map, lane_name
 from parallel_lib.model_parallel.placing import parallelize, placement
 from parallel_lib.runtime.device import resolve_device
@@ -31,7 +33,7 @@ def _first_tensor(obj: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _time_backward(recorder: TimelineRecorder, lane: str, name: str, micro_batch: int,
+def _time_backward(recorder: TimelineRecorder, lane: str, device: torch.device, name: str, micro_batch: int,
                    output: torch.Tensor, grad_of: torch.Tensor) -> None:
     """Record a backward event from "the node that made ``output`` starts" to "the grad of ``grad_of`` is ready".
 
@@ -39,62 +41,76 @@ def _time_backward(recorder: TimelineRecorder, lane: str, name: str, micro_batch
     part's input *is* the previous part's output (same device), the later part's
     backward ends before the earlier part's begins: hand-overs never overlap.
     """
-    started: list[float] = []
+    started: list[Stamp] = []
 
     def node_starts(grad_outputs: tuple) -> None:
-        started.append(recorder.now())
+        started.append(recorder.stamp(device))
 
     def grad_ready(grad: torch.Tensor) -> None:
         if started:
-            recorder.add(lane, "backward", micro_batch, started.pop(), recorder.now(), name)
+            recorder.add_stamped(lane, "backward", micro_batch, started.pop(), recorder.stamp(device), name)
 
     assert output.grad_fn is not None
     output.grad_fn.register_prehook(node_starts)
     grad_of.register_hook(grad_ready)
 
 
-def _instrument(recorder: TimelineRecorder, module: nn.Module, lane: str, name: str, state: dict) -> list:
-    """Hooks that record ``module``'s forward and, through autograd hooks, its backward."""
-    started: list[float] = []
+def _instrument(recorder: TimelineRecorder, module: nn.Module, lane: str, device: torch.device, name: str,
+                state: dict) -> list:
+    """Hooks that record ``module``'s forward and, through autograd hooks, its backward, on ``device``."""
+    started: list[Stamp] = []
 
     def before(mod: nn.Module, args: tuple) -> None:
-        started.append(recorder.now())
+        started.append(recorder.stamp(device))  # after parallelize's own pre-hook moved the inputs here
 
     def after(mod: nn.Module, args: tuple, output: Any) -> None:
-        state["end"] = recorder.now()
-        recorder.add(lane, "forward", state["step"], started.pop(), state["end"], name)
+        state["end"] = recorder.stamp(device)
+        recorder.add_stamped(lane, "forward", state["step"], started.pop(), state["end"], name)
         x, y = _first_tensor(args), _first_tensor(output)
         if x is not None and y is not None and x.requires_grad and y.grad_fn is not None:
-            _time_backward(recorder, lane, name, state["step"], y, x)
+            _time_backward(recorder, lane, device, name, state["step"], y, x)
         # else: no grad mode, or token ids in: no backward boundary to time
 
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
 
 @contextmanager
-def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None) -> Iterator[list[Event]]:
+def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None,
+                    cuda_events: bool = True) -> Iterator[list[Event]]:
     """Record each placed part's forward and backward as timeline events.
 
     One lane per device key (:func:`lane_name`), one event per part and pass, labelled
     with the part's name (``"h3"``); ``micro_batch`` counts the model's forward calls
     from 0. A loss the model computes itself (``labels=``) appears as a "loss" part
-    on the lane of the last part (the LM head's). CUDA devices in the map are
-    synchronised before every time stamp, so bars show when kernels ran rather than
-    when they were queued. The embeddings' backward is not drawn: their input is
-    token ids, which have no gradient to time.
+    on the lane of the last part (the LM head's). The embeddings' backward is not drawn:
+    their input is token ids, which have no gradient to time.
+
+    A bar must show when a device *ran* its kernels, not when the host queued them. On CUDA
+    devices each stamp is a CUDA event recorded on that part's device's current stream
+    (``cuda_events=True``): the devices run as they would untimed, and the events are read
+    once, when the ``with`` block ends. With ``cuda_events=False`` every stamp waits for
+    the map's GPUs instead (simpler, but it serialises the devices it times). CPU parts
+    read the host clock either way.
 
     Args:
         model: as for :func:`placement`.
         device_map: lanes to use; default ``model.device_map`` (or one device).
+        cuda_events: time CUDA parts with per-device CUDA events rather than synchronising.
 
     Yields:
-        The list of :class:`~parallel_lib.common.timeline.Event` that fills as the model runs.
+        The list of :class:`~parallel_lib.common.timeline.Event`; it fills as the model runs
+        on CPUs, and with the CUDA parts' events when the ``with`` block ends.
     """
     owners = placement(model, device_map)
-    cuda = sorted({d for d in (resolve_device(k) for k, _, _ in owners) if d.type == "cuda"}, key=str)
-    recorder = TimelineRecorder(partial(synchronize_devices, cuda) if cuda else None)
+    where = {key: resolve_device(key) for key, _, _ in owners}
+    cuda = sorted({d for d in where.values() if d.type == "cuda"}, key=str)
+    if cuda and cuda_events:
+        recorder = TimelineRecorder(event_devices=cuda)
+    else:
+        recorder = TimelineRecorder(partial(synchronize_devices, cuda) if cuda else None)
     state: dict[str, Any] = {"step": -1, "end": 0.0}  # forward calls so far; when the last part finished
-    output_lane = lane_name(owners[-1][0])
+    output_key = owners[-1][0]
+    output_lane, output_device = lane_name(output_key), where[output_key]
 
     def begin(mod: nn.Module, args: tuple) -> None:
         state["step"] += 1
@@ -102,18 +118,20 @@ def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None) ->
     def finish(mod: nn.Module, args: tuple, output: Any) -> None:
         loss, logits = getattr(output, "loss", None), getattr(output, "logits", None)
         if isinstance(loss, torch.Tensor):  # computed inside forward, after the last part
-            recorder.add(output_lane, "forward", state["step"], state["end"], recorder.now(), "loss")
+            recorder.add_stamped(output_lane, "forward", state["step"], state["end"], recorder.stamp(output_device),
+                                 "loss")
             if loss.grad_fn is not None and isinstance(logits, torch.Tensor) and logits.requires_grad:
-                _time_backward(recorder, output_lane, "loss", state["step"], loss, logits)
+                _time_backward(recorder, output_lane, output_device, "loss", state["step"], loss, logits)
 
     handles = [model.register_forward_pre_hook(begin), model.register_forward_hook(finish)]
     for key, name, module in owners:
-        handles += _instrument(recorder, module, lane_name(key), name, state)
+        handles += _instrument(recorder, module, lane_name(key), where[key], name, state)
     try:
         yield recorder.events
     finally:
         for handle in handles:
             handle.remove()
+        recorder.resolve()  # CUDA parts' events, read once the devices have run them
 
 
 def measure_step_timeline(device_map: Optional[DeviceMap] = None, batch_size: int = 8, seq_len: int = 64,

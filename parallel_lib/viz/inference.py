@@ -17,6 +17,7 @@ from parallel_lib.inference.cost_model import GPUS, Hardware, Workload, pareto_f
 from parallel_lib.inference.serving_memory import serving_memory
 from parallel_lib.model_parallel.memory import GiB
 from parallel_lib.viz.timeline import plot_timeline
+from parallel_lib.viz.widgets import figure_panel
 
 __all__ = ["plot_request_timelines", "plot_latency_throughput", "plot_roofline", "calculator_figure",
            "serving_calculator", "MODELS", "STRATEGY_COLORS"]
@@ -141,7 +142,6 @@ def calculator_figure(model: str = "llama-2-7b", gpu: str = "A100 80GB (publishe
 def serving_calculator() -> Any:
     """An ipywidgets panel: model, GPU (published figures), strategy, devices, requests -> memory, time, throughput."""
     import ipywidgets as widgets
-    from IPython.display import display
 
     controls = dict(
         model=widgets.Dropdown(options=list(MODELS), value="llama-2-7b", description="model"),
@@ -150,17 +150,4 @@ def serving_calculator() -> Any:
         n_devices=widgets.Dropdown(options=[2, 4, 8], value=2, description="devices"),
         concurrency=widgets.IntSlider(value=8, min=1, max=128, description="requests"),
         prompt=widgets.IntSlider(value=2048, min=128, max=4096, step=128, description="prompt"))
-    out = widgets.Output()
-
-    def redraw(_: Any = None) -> None:
-        with out:
-            out.clear_output(wait=True)
-            fig = calculator_figure(**{name: c.value for name, c in controls.items()})
-            display(fig)
-            plt.close(fig)
-
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    redraw()
-    values = list(controls.values())
-    return widgets.VBox([widgets.HBox(values[:3]), widgets.HBox(values[3:]), out])
+    return figure_panel(calculator_figure, controls)

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from parallel_lib.common.timeline import Event
 from parallel_lib.sharding.memory import zero_memory, zero_traffic
 from parallel_lib.viz.timeline import plot_timeline
+from parallel_lib.viz.widgets import figure_panel
 
 __all__ = ["PARTS", "MODEL_SIZES", "OPTIMIZERS", "plot_zero_memory", "plot_zero_timelines", "calculator_figure",
            "zero_calculator"]
@@ -107,7 +108,6 @@ def calculator_figure(billions: float, world_size: int, stage: int, precision: s
 def zero_calculator() -> Any:
     """An ipywidgets panel: model size, ranks, stage, precision, optimizer -> bytes per rank and traffic."""
     import ipywidgets as widgets
-    from IPython.display import display
 
     controls = dict(
         billions=widgets.Dropdown(options=list(MODEL_SIZES.items()), value=7.5, description="model"),
@@ -115,16 +115,4 @@ def zero_calculator() -> Any:
         stage=widgets.Dropdown(options=[0, 1, 2, 3], value=3, description="stage"),
         precision=widgets.Dropdown(options=["bf16", "fp32"], value="bf16", description="precision"),
         optimizer=widgets.Dropdown(options=list(OPTIMIZERS), value="AdamW", description="optimizer"))
-    out = widgets.Output()
-
-    def redraw(_: Any = None) -> None:
-        with out:
-            out.clear_output(wait=True)
-            fig = calculator_figure(**{name: c.value for name, c in controls.items()})
-            display(fig)
-            plt.close(fig)
-
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox(list(controls.values())[:3]), widgets.HBox(list(controls.values())[3:]), out])
+    return figure_panel(calculator_figure, controls)
