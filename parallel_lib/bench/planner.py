@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from parallel_lib.common import tables
 from parallel_lib.common.activations import measure_step_activations
-from parallel_lib.common.machine_speed import measure_matmul_flops
 from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import get_tokenizer
@@ -32,7 +31,7 @@ from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d
 from parallel_lib.planner.__main__ import describe
 from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
 from parallel_lib.planner.layout import Layout, price
-from parallel_lib.planner.model_step import step_key
+from parallel_lib.planner.model_step import PROBE_BATCH, step_key, time_step
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.sharding.train import ShardConfig, run_sharded
@@ -56,7 +55,7 @@ class Row:
     predicted_state: float
     measured_state: float
     state_how: str                    # how the state was measured
-    load: float = 1.0                 # calibration's matmul rate / the probe's just before the run
+    load: float = 1.0                 # the probe's step time around the run / the calibration's
 
     @property
     def time_error(self) -> float:
@@ -110,23 +109,22 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
 
 
 def _probe() -> float:
-    """Every rank's 512 x 512 matmul rate now, averaged: how busy the machine is at this moment."""
-    torch.set_num_threads(1)
-    rate = torch.tensor(measure_matmul_flops("cpu", 512, 9))
-    dist.all_reduce(rate)
-    return float(rate) / dist.get_world_size()
+    """Seconds of one step of the calibration's model on every rank at once, averaged: how busy the machine is now."""
+    seconds = torch.tensor(time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3))
+    dist.all_reduce(seconds)
+    return float(seconds) / dist.get_world_size()
 
 
-def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], repeats: int = 5, warm_up: bool = True
-             ) -> tuple[RankSpeed, list[tuple[list[float], float, float]]]:
+def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], alone: Calibration, repeats: int = 5,
+             warm_up: bool = True) -> tuple[RankSpeed, list[tuple[list[float], float, float]]]:
     """This world size's calibration, then every ``(engine, config)`` in turn on this rank.
 
     Returns the calibration (:func:`~parallel_lib.planner.calibrate.collective_worker`, in the same
-    launch: one start-up less) and, per run, ``(step seconds, model-state bytes, probe FLOP/s)``.
-    A shared 2-core machine is busier at some moments than at others; a matmul probe before each
-    run (the calibration's own measurement, repeated) says how much, and the prediction is scaled by it.
+    launch: one start-up less) and, per run, ``(step seconds, model-state bytes, probe seconds)``.
+    A shared 2-core machine is busier at some moments than at others; a probe around each run (the
+    calibration's own model step, repeated) says how much, and the prediction is scaled by it.
     """
-    speed = collective_worker(rank, world_size, SIZES, repeats)
+    speed = collective_worker(rank, world_size, SIZES, repeats, alone)
     out = []
     if work and warm_up:  # a first run pays for lazy set-up (allocator, gloo pairs, kernels): one short run, not timed
         _run(rank, world_size, work[0][0], replace(work[0][1], steps=2))
@@ -168,7 +166,7 @@ def _single(calibration: Calibration, steps: int) -> list[Row]:
     torch.set_num_threads(1)
     try:
         for recompute in (False, True):
-            load = calibration.at(1).flops_per_second / measure_matmul_flops("cpu", 512, 5)
+            load = time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3) / calibration.at(1).step_times[KEY]
             times = [measure_step_activations(model, [ids], recompute).seconds for _ in range(steps)]
             p = price(Layout(recompute=recompute), shape, BATCH, SEQ, calibration.slowed(1, load), KEY)
             state = 16.0 * sum(q.numel() for q in model.parameters())
@@ -183,16 +181,17 @@ def measure(steps: int = 5, world_sizes: Sequence[int] = (2, 4), quick: bool = F
             timeout: float = 600.0) -> tuple[Calibration, list[Row]]:
     """Calibrate (one process here, each world size at the start of its launch), run every layout, price it."""
     calibration = calibrate(world_sizes=(), repeats=repeats)
+    single = Calibration(calibration.machine, dict(calibration.ranks))  # what the launches receive
     rows = [] if quick else _single(calibration, steps)
     for n in world_sizes:
         work = jobs(n, steps, quick)
-        launched = launch(run_jobs, n, [(engine, config) for _, engine, config, _ in work], repeats, not quick,
-                          threads_per_rank=1, timeout=timeout)
+        launched = launch(run_jobs, n, [(engine, config) for _, engine, config, _ in work], single, repeats,
+                          not quick, threads_per_rank=1, timeout=timeout)
         calibration.ranks[n] = launched[0][0]
         results = [r for _, r in launched]
         for k, (layout, engine, _, shape) in enumerate(work):
             per_rank = [r[k] for r in results]
-            load = calibration.at(n).flops_per_second / per_rank[0][2]
+            load = per_rank[0][2] / calibration.at(n).step_times[KEY]
             p = price(layout, shape, BATCH, SEQ, calibration.slowed(n, load), KEY)
             how = "parameters x 4 (tensors) x 4" if engine.startswith("tensor") else "tensor census"
             rows.append(Row(layout, engine, p.step_seconds, _step_time([t for t, _, _ in per_rank]), p.state_bytes,

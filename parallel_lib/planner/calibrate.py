@@ -5,7 +5,8 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
 - **compute**: the matmul FLOP/s and memory bandwidth of one rank
   (:func:`parallel_lib.common.machine_speed.measure_machine_speed`), measured *while the other
   ranks of the same world measure too*: on a 2-core laptop, 4 ranks share 2 cores, and a rank
-  computes at half the rate it would alone;
+  computes at half the rate it would alone; and one model step timed on every rank at once
+  against the same step in one process alone, which scales the model's step cost (below);
 - **a model's step**: a CPU reaches the 512 × 512 matmul rate only on large matrices; a GPT-2 step
   of a small model spends much of its time outside matrix products (kernel dispatch, autograd,
   layer norms, the optimizer). :func:`fit_step_cost` times one rank's forward + backward at two
@@ -96,6 +97,7 @@ class RankSpeed:
     bytes_per_second: float     # copy of a 64 MiB buffer
     links: dict = field(default_factory=dict)  # kind -> AlphaBeta (over all world_size ranks)
     step_costs: dict = field(default_factory=dict)  # model key -> (fixed, FLOP/s, optimizer), model_step.fit_step_cost
+    step_times: dict = field(default_factory=dict)  # model key -> seconds of one PROBE_BATCH step, every rank at once
 
     def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
         return self.links[kind].seconds(kind, nbytes, group_size) if group_size > 1 else 0.0
@@ -114,7 +116,8 @@ def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return float(median)
 
 
-def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, repeats: int = 5) -> RankSpeed:
+def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, repeats: int = 5,
+                      alone: Optional["Calibration"] = None) -> RankSpeed:
     """One rank of the calibration launch: compute rates (all ranks at once), then each collective's fit.
 
     A model's step is fitted once, in one process alone (two parameters need quiet measurements);
@@ -124,9 +127,20 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
     torch.set_num_threads(1)
     dist.barrier()
     speed = measure_machine_speed("cpu", size=512, megabytes=32, repeats=repeats)
-    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second], dtype=torch.float64)
+    from parallel_lib.planner.model_step import time_step  # model_step builds on this module
+
+    # a model step on every rank at once, against the same step in one process alone
+    models = sorted(alone.ranks[1].step_times) if alone is not None else []
+    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second] +
+                           [time_step(*_model_of(key), repeats=repeats) for key in models], dtype=torch.float64)
     dist.all_reduce(numbers)  # the mean rank: every rank runs the same share of a layout
     numbers /= world_size
+    steps, step_times = {}, {}
+    for k, key in enumerate(models):
+        assert alone is not None
+        slow = float(numbers[2 + k]) / alone.ranks[1].step_times[key]
+        fixed, rate, optimizer = alone.ranks[1].step_costs[key]
+        steps[key], step_times[key] = (fixed * slow, rate / slow, optimizer * slow), float(numbers[2 + k])
     links = {}
     for kind in KINDS:
         times = []
@@ -146,7 +160,13 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
                     [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)])]
             times.append(_timed(fn, repeats))
         links[kind] = fit_alpha_beta(kind, world_size, [float(s) for s in sizes], times)
-    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links)
+    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links, steps, step_times)
+
+
+def _model_of(key: str) -> tuple[str, int, int]:
+    """``(size, vocabulary, sequence length)`` back from :func:`~parallel_lib.planner.model_step.step_key`."""
+    name, vocab, seq = key.rsplit("-", 2)
+    return name, int(vocab[1:]), int(seq[1:])
 
 
 @dataclass(frozen=True)
@@ -183,7 +203,7 @@ class Calibration:
         steps = {k: (f * factor, r / factor, o * factor) for k, (f, r, o) in speed.step_costs.items()}
         ranks = dict(self.ranks)
         ranks[speed.world_size] = RankSpeed(speed.world_size, speed.flops_per_second / factor, speed.bytes_per_second,
-                                            speed.links, steps)
+                                            speed.links, steps, {k: t * factor for k, t in speed.step_times.items()})
         return Calibration(self.machine, ranks, self.gpus_per_node, self.across)
 
     def link(self, kind: str, world_size: int, span: int) -> AlphaBeta:
@@ -199,7 +219,8 @@ class Calibration:
     def to_json(self) -> str:
         ranks = {str(n): dict(world_size=r.world_size, flops_per_second=r.flops_per_second,
                               bytes_per_second=r.bytes_per_second,
-                              links={k: asdict(v) for k, v in r.links.items()}, step_costs=r.step_costs)
+                              links={k: asdict(v) for k, v in r.links.items()}, step_costs=r.step_costs,
+                              step_times=r.step_times)
                  for n, r in self.ranks.items()}
         return json.dumps(dict(machine=self.machine, ranks=ranks), indent=1)
 
@@ -208,7 +229,8 @@ class Calibration:
         data = json.loads(text)
         ranks = {int(n): RankSpeed(r["world_size"], r["flops_per_second"], r["bytes_per_second"],
                                    {k: AlphaBeta(**v) for k, v in r["links"].items()},
-                                   {k: tuple(v) for k, v in r.get("step_costs", {}).items()})
+                                   {k: tuple(v) for k, v in r.get("step_costs", {}).items()},
+                                   dict(r.get("step_times", {})))
                  for n, r in data["ranks"].items()}
         return cls(data["machine"], ranks)
 
@@ -230,7 +252,7 @@ MODELS = (("tiny", 512, 64),)  # (GPT-2 size, vocabulary, sequence length) whose
 def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Sequence[tuple[str, int, int]] = MODELS,
               timeout: float = 120.0) -> Calibration:
     """Measure one process alone and every world size in ``world_sizes`` (one ``launch`` each)."""
-    from parallel_lib.planner.model_step import fit_step_cost, step_key
+    from parallel_lib.planner.model_step import fit_step_cost, step_key, time_step
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -238,14 +260,16 @@ def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Seq
         alone = measure_machine_speed("cpu", size=512, megabytes=32, repeats=repeats)
     finally:
         torch.set_num_threads(threads)
-    steps = {}
+    steps, step_times = {}, {}
     for model in models:
         fit = fit_step_cost(*model, repeats=repeats)  # type: ignore[misc]
         steps[step_key(*model)] = (fit.fixed, fit.flops_per_second, fit.optimizer)
-    ranks = {1: RankSpeed(1, alone.flops_per_second, alone.bytes_per_second, {}, steps)}
+        step_times[step_key(*model)] = time_step(*model, repeats=repeats)  # type: ignore[misc]
+    ranks = {1: RankSpeed(1, alone.flops_per_second, alone.bytes_per_second, {}, steps, step_times)}
+    single = Calibration(machine_key(), dict(ranks))
     for n in world_sizes:
-        ranks[positive_int("world size", n)] = launch(collective_worker, n, SIZES, repeats, threads_per_rank=1,
-                                                      timeout=timeout)[0]
+        ranks[positive_int("world size", n)] = launch(collective_worker, n, SIZES, repeats, single,
+                                                      threads_per_rank=1, timeout=timeout)[0]
     return Calibration(machine_key(), ranks)
 
 

@@ -25,7 +25,9 @@ from parallel_lib.common.models import build_gpt2
 from parallel_lib.planner.layout import StepCost
 from parallel_lib.tensor_parallel.cost import GPTShape, training_flops
 
-__all__ = ["step_key", "fit_step_cost", "solve_step_cost"]
+__all__ = ["step_key", "fit_step_cost", "solve_step_cost", "time_step", "PROBE_BATCH"]
+
+PROBE_BATCH = 8  # the batch whose step time says how much slower a rank runs than one process alone
 
 
 def step_key(model: str, vocab_size: int, seq_len: int) -> str:
@@ -50,6 +52,29 @@ def solve_step_cost(shape: GPTShape, seq_len: int, batches: Sequence[int], secon
     if fixed < 0:  # no fixed part: the rate of the largest batch
         return StepCost(0.0, float(flops[-1] / y[-1]), optimizer)
     return StepCost(fixed, 1.0 / slope, optimizer)
+
+
+def time_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, batch: int = PROBE_BATCH,
+              repeats: int = 3) -> float:
+    """Median seconds of one forward + backward of ``batch`` sequences on this process, one thread (after a warm-up).
+
+    Run on every rank at once, it measures what a rank of a layout meets: the cores shared with the
+    other ranks (and whatever else the machine runs), on the model's own kernels rather than a matmul.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = build_gpt2(model, vocab_size=vocab_size, seed=0, n_positions=max(seq_len, 16))
+        net.loss_type = "ForCausalLM"
+        ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(batch))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            net(input_ids=ids, labels=ids).loss.backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, batches: Sequence[int] = (2, 4, 8, 16),

@@ -87,6 +87,11 @@ def _why(theirs: Priced, ours: Priced) -> str:
         reasons.append(f"more pipeline stages ({b.pp} vs {a.pp}) to fit memory without recomputing")
     if b.tp != a.tp:
         reasons.append(f"TP {b.tp} instead of {a.tp}")
+    if b.zero > a.zero:
+        reasons.append(f"ZeRO-{b.zero} where they sharded {'nothing' if a.zero == 0 else f'to stage {a.zero}'}: "
+                       "sharding the optimizer states over the data-parallel ranks frees the memory that lets a "
+                       "smaller TP degree fit (Megatron-LM's 2021 runs replicated them; its distributed optimizer "
+                       "came later)")
     return ("the planner prefers " + "; ".join(reasons) +
             f" (predicted {ours.step_seconds:.2f} s vs {theirs.step_seconds:.2f} s per step at peak FLOP/s). It knows "
             "no failures, no network congestion and no kernel efficiency below peak, all of which make teams "
