@@ -75,3 +75,15 @@ def test_the_widget_refuses_an_unknown_model_or_gpu():
         published_plan("GPT-5", "H100", 8, 64)
     with pytest.raises(ValueError, match="gpu"):
         published_plan("GPT-2 XL 1.5B", "B200", 8, 64)
+
+
+def test_the_widget_opens_on_the_static_figures_job_and_redraws_on_a_change():
+    widgets = pytest.importorskip("ipywidgets")
+    from parallel_lib.viz.planner import planner_widget
+
+    panel = planner_widget()
+    controls = [c for row in panel.children[:-1] for c in row.children]
+    assert [c.value for c in controls] == ["Llama-style 8B", "H100", 64, 256]  # figures.py's planner_widget_ch10
+    assert isinstance(panel.children[-1], widgets.Output)
+    controls[2].value = 8  # redraws without raising
+    plt.close("all")

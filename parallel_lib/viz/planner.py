@@ -28,6 +28,7 @@ from parallel_lib.planner.layout import Priced, StepCost
 from parallel_lib.planner.search import Candidate, LayoutPlan, plan_layouts
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.viz.timeline import plot_timeline
+from parallel_lib.viz.widgets import figure_panel
 
 __all__ = ["MODELS", "memory_bars", "predicted_events", "predicted_timeline", "measured_vs_predicted",
            "published_plan", "planner_figure", "planner_widget"]
@@ -152,24 +153,10 @@ def planner_figure(model: str = "Llama-style 8B", gpu: str = "H100", devices: in
 def planner_widget() -> Any:
     """An ipywidgets panel: model, GPU, devices, global batch -> the planner's ranked layouts and misfits."""
     import ipywidgets as widgets
-    from IPython.display import display
 
     controls = dict(
         model=widgets.Dropdown(options=list(MODELS), value="Llama-style 8B", description="model"),
         gpu=widgets.Dropdown(options=sorted(GPUS), value="H100", description="GPU"),
         devices=widgets.Dropdown(options=[8, 16, 32, 64, 128, 256], value=64, description="devices"),
         global_batch=widgets.Dropdown(options=[64, 256, 1024], value=256, description="batch (seq.)"))
-    out = widgets.Output()
-
-    def redraw(_: Any = None) -> None:
-        with out:
-            out.clear_output(wait=True)
-            fig = planner_figure(**{name: c.value for name, c in controls.items()})
-            display(fig)
-            plt.close(fig)
-
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    redraw()
-    values = list(controls.values())
-    return widgets.VBox([widgets.HBox(values[:2]), widgets.HBox(values[2:]), out])
+    return figure_panel(planner_figure, controls, per_row=2)
