@@ -152,7 +152,7 @@ def _term(value: Any) -> Optional[str]:
 
 
 def check_oom_term(answer: Any) -> CheckResult:
-    """The largest term of the ZeRO-0 layout's memory, and the lowest ZeRO stage that fits, from the planner's own sums."""
+    """The ZeRO-0 layout's largest memory term and the lowest ZeRO stage that fits, from the planner's own sums."""
     name = "oom_term"
     if answer is None or answer is Ellipsis:
         return failed(name, None, "OOM_ANSWER is not answered yet (it is still None)")

@@ -95,7 +95,7 @@ def predicted_timeline(priced: Priced, ax: Optional[Axes] = None, unit: str = "m
 
 
 def measured_vs_predicted(rows: Sequence[Any], ax: Optional[Axes] = None, title: str = "") -> Figure:
-    """Benchmark rows (``predicted_seconds``, ``measured_seconds``, ``layout``) on a log–log plane with y = x ± 25 %."""
+    """Benchmark rows (``predicted_seconds``, ``measured_seconds``, ``layout``) on log–log axes, y = x ± 25 %."""
     if not rows:
         raise ValueError("rows is empty: pass parallel_lib.bench.planner's Row objects")
     if ax is None:
