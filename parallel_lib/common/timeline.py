@@ -101,9 +101,10 @@ class TimelineRecorder:
 
     def reset(self) -> None:
         """Forget recorded events and restart the clock at zero (once the device is idle, if one was given)."""
+        if self.event_devices:  # before the clock's own synchronisation: the zero is read right after it
+            synchronize_devices(self.event_devices)
         if self._synchronize is not None:
             self._synchronize()
-        synchronize_devices(self.event_devices)
         with self._lock:
             self.events = []
             self._pending: list[tuple] = []
