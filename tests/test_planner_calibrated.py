@@ -90,6 +90,9 @@ def test_step_time_adds_the_pieces_and_more_ranks_per_core_compute_slower():
     grads = count_parameters(MODEL) * 4
     assert dp.dp_comm == pytest.approx(LINK.seconds("all_reduce", grads, 4))
     assert dp.compute == pytest.approx(2 * (COST.fixed * 5 + training_flops(SHAPE, 4, 64) / 1e10))
+    # one all-reduce per gradient tensor (chapter 07's TP x DP): the same bytes, a latency per call
+    per_tensor = price(Layout(dp=4, grad_collectives=52), SHAPE, 16, 64, CAL, COST)
+    assert per_tensor.dp_comm - dp.dp_comm == pytest.approx(51 * hops("all_reduce", 4) * LINK.alpha)
 
 
 def test_bad_layouts_are_refused_with_the_argument_named():

@@ -92,7 +92,9 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
     def tp(t: int, sp: bool) -> tuple[Layout, str, Any, GPTShape]:
         config = TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
                           steps=steps, tp=t, sequence_parallel=sp, padding=False)
-        return Layout(dp=world_size // t, tp=t, sequence_parallel=sp), "tensor_parallel.tp_worker", config, tp_shape
+        tensors = 12 * tp_shape.n_layer + 4  # its gradients are all-reduced tensor by tensor (train._step)
+        layout = Layout(dp=world_size // t, tp=t, sequence_parallel=sp, grad_collectives=tensors)
+        return layout, "tensor_parallel.tp_worker", config, tp_shape
 
     three_d = Config3D(dp=1, tp=2, pp=2, model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH,
                        micro_batches=4, optimizer="adamw", lr=1e-3, steps=steps)

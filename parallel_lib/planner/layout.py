@@ -59,9 +59,10 @@ class Layout:
     micro_batches: int = 1
     recompute: bool = False
     dtype: str = "fp32"              # "fp32", or "bf16"/"fp16" for mixed precision
+    grad_collectives: int = 1        # calls the gradient reduction takes: 1 flat bucket, or one per tensor
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual", "micro_batches"):
+        for name in ("dp", "tp", "pp", "virtual", "micro_batches", "grad_collectives"):
             positive_int(name, getattr(self, name))
         check_choice("zero", self.zero, (0, 1, 2, 3))
         check_choice("schedule", self.schedule, SCHEDULES)
@@ -246,8 +247,8 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     grad_bytes = p * width
     dp_calls: dict = {}
     if L.dp > 1:
-        if L.zero == 0:
-            dp_calls = {"all_reduce": (1, grad_bytes)}
+        if L.zero == 0:  # chapter 07's TP x DP all-reduces each gradient tensor: a latency per call
+            dp_calls = {"all_reduce": (L.grad_collectives, grad_bytes)}
         elif L.zero in (1, 2):
             dp_calls = {"reduce_scatter": (1, grad_bytes), "all_gather": (1, grad_bytes)}
         else:  # per layer group: gathered for forward and again for backward, gradients reduce-scattered
