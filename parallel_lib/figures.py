@@ -224,6 +224,12 @@ def _grid3d() -> Figure:
     return render_grid3d(Grid3D(dp=2, tp=2, pp=2))
 
 
+def _planner_widget() -> Figure:
+    """Chapter 10's planning widget at its opening values (published H100 peaks, not measured)."""
+    from parallel_lib.viz.planner import planner_figure
+    return planner_figure()
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -249,6 +255,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("inference_timelines", "ch09", True, _inference_timelines),
     FigureSpec("pipeline_v_schedules_ch08", "ch08", False, _v_schedules),
     FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
+    FigureSpec("planner_widget_ch10", "ch10", False, _planner_widget),
 ]
 
 

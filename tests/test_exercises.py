@@ -44,7 +44,7 @@ def notebook_function(source: str):
 # ----------------------------------------------------------------------------- the registry
 
 def test_registry_covers_every_chapter_with_two_to_four_exercises():
-    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09"]
+    assert sorted(EXERCISES) == ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10"]
     assert all(2 <= len(items) <= 4 for items in EXERCISES.values())
     names = [item.name for item in ALL]
     assert len(names) == len(set(names))
@@ -638,4 +638,36 @@ def test_known_wrong_ch09_solution_fails_with_a_helpful_message(name, source, fr
 def test_pipeline_throughput_answers(answer, fragment):
     result = exercises.check_pipeline_throughput(answer)
     assert result.passed == (fragment is None)
+    assert fragment is None or fragment in result.message, result.message
+
+
+# ----------------------------------------------------------------------------- chapter 10
+
+@pytest.mark.parametrize("answer, fragment", [
+    (dict(dp=8, tp=4, pp=1, zero=2), None),                                # the planner's best
+    (dict(dp=16, tp=2, pp=1, zero=1), None),                               # within 10 % of it
+    (dict(dp=32, tp=1, pp=1, zero=0), "does not fit"),                     # plain DP: 16 bytes per parameter
+    (dict(dp=32, tp=1, pp=1, zero=3), "data-parallel (ZeRO) collectives"),  # fits, slow across nodes
+    (dict(dp=2, tp=1, pp=16, zero=1), "pipeline bubble"),                  # deep pipeline
+    (dict(dp=4, tp=8, pp=1, zero=1), "tensor-parallel all-reduces"),
+    (dict(dp=2, tp=16, pp=1, zero=0), "more than one node"),
+    (dict(dp=8, tp=2, pp=1, zero=0), "the budget is 32 GPUs"),
+    ((8, 4, 1), "a dict with keys dp, tp, pp"),
+])
+def test_choose_layout_answers(answer, fragment):
+    result = exercises.check_choose_layout(answer)
+    assert result.passed == (fragment is None), result.message
+    assert fragment is None or fragment in result.message, result.message
+
+
+@pytest.mark.parametrize("answer, fragment", [
+    (("optimizer", 1), None), (("Optimizer states", 1), None),
+    (("activations", 1), "only one micro-batch's activations"), (("parameters", 1), "fp32 master copy"),
+    (("gradients", 2), "what keeps 12"), (("optimizer", 3), "a lower stage already does"),
+    (("optimizer", 0), "still holds more than the card"), (("memory", 1), "none of parameters"),
+    ("optimizer", "must be a pair"),
+])
+def test_oom_term_answers(answer, fragment):
+    result = exercises.check_oom_term(answer)
+    assert result.passed == (fragment is None), result.message
     assert fragment is None or fragment in result.message, result.message

@@ -81,3 +81,8 @@ def exercise(name: str) -> Exercise:
 _CHECKERS.update({"check_largest_batch": "ch09", "check_pipeline_throughput": "ch09"})
 CHAPTERS = CHAPTERS + ("09",)
 __all__ += ["check_largest_batch", "check_pipeline_throughput"]
+
+# chapter 10 (appended: the registries above stay as they were)
+_CHECKERS.update({"check_choose_layout": "ch10", "check_oom_term": "ch10"})
+CHAPTERS = CHAPTERS + ("10",)
+__all__ += ["check_choose_layout", "check_oom_term"]
