@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -69,3 +70,16 @@ def test_peak_memory_fails_a_run_over_its_limit_and_passes_one_under_it():
 def test_peak_memory_passes_on_the_commands_own_failure():
     failing = peak_memory("--limit-gib", "4", "--", sys.executable, "-c", "raise SystemExit(3)")
     assert failing.returncode == 3
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's proportional set sizes")
+def test_peak_memory_counts_pages_shared_by_forked_processes_once():
+    # 300 MiB written by a parent, then 3 forked children that only read it: the machine holds
+    # it once, while the children's resident sizes each show it again
+    shared = [sys.executable, "-c", "import os, time\nx = bytearray(300 * 2**20)\n"
+              "pids = [os.fork() or (time.sleep(2), os._exit(0)) for _ in range(3)]\n"
+              "[os.waitpid(p, 0) for p in pids]"]
+    run = peak_memory("--limit-gib", "0.6", "--", *shared)
+    assert run.returncode == 0 and "within the 0.6 GiB limit" in run.stdout, run.stdout
+    counted_everywhere = float(run.stdout.split("; ")[1].split(" GiB")[0])
+    assert counted_everywhere > 1.0  # 4 x 300 MiB by resident sizes
