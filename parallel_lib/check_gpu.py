@@ -58,6 +58,8 @@ from parallel_lib.gpu_checks import (
     free_memory,
     workload_for,
 )
+from parallel_lib.gpu_checks_hybrid3d import check_grid3d
+from parallel_lib.gpu_checks_part1 import check_hybrid, check_setup
 from parallel_lib.gpu_checks_part2 import check_schedules, check_sharding, check_tensor_parallel
 from parallel_lib.gpu_checks_inference import check_inference
 from parallel_lib.runtime.environment import environment_report
@@ -108,6 +110,8 @@ def register_check(name: str, check: Check) -> Check:
 
 
 # one line per chapter; a later chapter registers its own check the same way
+register_check("setup", Check("00_setup_and_devices", 1, "an all-reduce over NCCL ranks; the tiny GPT-2's first "
+                              "run on cuda:0", check_setup))
 register_check("dp", Check("01_data_parallel", 2, "data parallel on NCCL ranks: equivalence with one process, "
                            "bench dp", check_dp))
 register_check("allreduce", Check("02_all_reduce", 2, "ring vs dist.all_reduce on NCCL: bench allreduce",
@@ -116,6 +120,8 @@ register_check("model_parallel", Check("03_model_parallel", 1, "GPT-2 over cuda:
                                        "with one GPU, tokens/s", check_model_parallel, splits_layers=True))
 register_check("pipeline", Check("04_pipeline_parallel", 2, "Pipe over cuda:0..p-1: equivalence with one GPU, "
                                  "step times by m, bench pp", check_pipeline, splits_layers=True))
+register_check("hybrid", Check("05_choosing_a_strategy", 2, "DP over pipelines on NCCL ranks: equivalence "
+                               "with one process", check_hybrid))
 register_check("sharding", Check("06_sharded_data_parallel", 2, "ZeRO-0..3, ZeroRedundancyOptimizer, FSDP2 on NCCL "
                                  "ranks: equivalence with one process, census, bench sharding", check_sharding))
 register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
@@ -124,7 +130,6 @@ register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 
                                   "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
 register_check("inference", Check("09_inference", 1, "serving on cuda:0, cuda:0..n-1 and NCCL ranks (dp, pp, tp): "
                                   "the CPU engine's tokens", check_inference))
-from parallel_lib.gpu_checks_hybrid3d import check_grid3d  # noqa: E402  (chapter 10)
 register_check("grid3d", Check("10_training_at_scale", 2, "DP x TP x PP on NCCL ranks: equivalence with one "
                                "process, every group's traffic vs the formula", check_grid3d))
 

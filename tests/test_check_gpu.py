@@ -40,23 +40,24 @@ def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, ex
 
 
 @pytest.mark.parametrize("n_gpus, expected", [
-    (0, [("dp", 0, "needs >= 2 GPUs, found 0"), ("allreduce", 0, "needs >= 2 GPUs, found 0"),
-         ("model_parallel", 0, "needs >= 1 GPU, found 0"), ("pipeline", 0, "needs >= 2 GPUs, found 0"),
+    (0, [("setup", 0, "needs >= 1 GPU, found 0"), ("dp", 0, "needs >= 2 GPUs, found 0"),
+         ("allreduce", 0, "needs >= 2 GPUs, found 0"), ("model_parallel", 0, "needs >= 1 GPU, found 0"),
+         ("pipeline", 0, "needs >= 2 GPUs, found 0"), ("hybrid", 0, "needs >= 2 GPUs, found 0"),
          ("sharding", 0, "needs >= 2 GPUs, found 0"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 0"), ("schedules", 0, "needs >= 2 GPUs, found 0"),
          ("inference", 0, "needs >= 1 GPU, found 0"),
          ("grid3d", 0, "needs >= 2 GPUs, found 0")]),
-    (1, [("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
+    (1, [("setup", 1, ""), ("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
          ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1"),
-         ("sharding", 0, "needs >= 2 GPUs, found 1"),
+         ("hybrid", 0, "needs >= 2 GPUs, found 1"), ("sharding", 0, "needs >= 2 GPUs, found 1"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 1"), ("schedules", 0, "needs >= 2 GPUs, found 1"),
          ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1")]),
-    (2, [("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""), ("sharding", 2, ""),
-         ("tensor_parallel", 2, ""), ("schedules", 2, ""), ("inference", 2, ""),
-         ("grid3d", 2, "")]),
-    (4, [("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""), ("sharding", 4, ""),
-         ("tensor_parallel", 4, ""), ("schedules", 4, ""), ("inference", 4, ""),
-         ("grid3d", 4, "")]),
+    (2, [("setup", 2, ""), ("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""),
+         ("hybrid", 2, ""), ("sharding", 2, ""), ("tensor_parallel", 2, ""), ("schedules", 2, ""),
+         ("inference", 2, ""), ("grid3d", 2, "")]),
+    (4, [("setup", 4, ""), ("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""),
+         ("hybrid", 4, ""), ("sharding", 4, ""), ("tensor_parallel", 4, ""), ("schedules", 4, ""),
+         ("inference", 4, ""), ("grid3d", 4, "")]),
 ])
 def test_plan_by_gpu_count(n_gpus, expected):
     assert plan(n_gpus) == [Planned(*row) for row in expected]
@@ -66,10 +67,10 @@ def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
     quick = {p.name: p.gpus for p in plan(8, quick=True)}  # the quick model has 4 layers
     full = {p.name: p.gpus for p in plan(16)}  # GPT-2 has 12
 
-    assert quick == {"dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
+    assert quick == {"setup": 8, "hybrid": 8, "dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
                      "tensor_parallel": 8, "schedules": 4, "inference": 8,
                      "grid3d": 8}
-    assert full == {"dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
+    assert full == {"setup": 16, "hybrid": 16, "dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
                     "tensor_parallel": 16, "schedules": 12, "inference": 16,
                     "grid3d": 16}
 
@@ -83,15 +84,17 @@ def test_plan_only_and_its_table():
     assert "| dp | 01_data_parallel | - | skipped: not selected (--only) |" in table
     assert "| pipeline | 04_pipeline_parallel | 2 | Pipe over cuda:0..p-1: equivalence with one GPU, step times by m, " \
            "bench pp |" in table
-    with pytest.raises(ValueError, match=r"only must name checks from \['dp', .*\], got \['gpu'\]"):
+    with pytest.raises(ValueError, match=r"only must name checks from \['setup', .*\], got \['gpu'\]"):
         plan(2, only=["gpu"])
-    assert plan(1, kind="CPU device")[0].reason == "needs >= 2 CPU devices, found 1"
+    assert plan(1, kind="CPU device")[1].reason == "needs >= 2 CPU devices, found 1"
 
 
 def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
     assert [(name, c.chapter) for name, c in CHECKS.items()] == [
-        ("dp", "01_data_parallel"), ("allreduce", "02_all_reduce"), ("model_parallel", "03_model_parallel"),
-        ("pipeline", "04_pipeline_parallel"), ("sharding", "06_sharded_data_parallel"),
+        ("setup", "00_setup_and_devices"), ("dp", "01_data_parallel"), ("allreduce", "02_all_reduce"),
+        ("model_parallel", "03_model_parallel"),
+        ("pipeline", "04_pipeline_parallel"), ("hybrid", "05_choosing_a_strategy"),
+        ("sharding", "06_sharded_data_parallel"),
         ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08_pipeline_schedules"), ("inference", "09_inference"),
         ("grid3d", "10_training_at_scale")]
     monkeypatch.setattr(check_gpu, "CHECKS", dict(CHECKS))
@@ -154,13 +157,14 @@ def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
     assert check_gpu.main(["--allow-cpu"]) == 1  # the fake pipeline check fails
-    assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
-                           ("pipeline", 2, True), ("sharding", 2, True), ("tensor_parallel", 2, True),
+    assert fake_checks == [("setup", 2, True), ("dp", 2, True), ("allreduce", 2, True),
+                           ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
+                           ("tensor_parallel", 2, True),
                            ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
     assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
     fake_checks.clear()
     assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
-    assert fake_checks == [("model_parallel", 1, True), ("inference", 1, True)]
+    assert fake_checks == [("setup", 1, True), ("model_parallel", 1, True), ("inference", 1, True)]
 
 
 def test_main_that_can_run_no_selected_check_is_no_pass(monkeypatch, fake_checks, capsys):
@@ -175,20 +179,22 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
     assert check_gpu.main(["--quick"]) == 1
-    assert fake_checks == [("dp", 2, True), ("allreduce", 2, True), ("model_parallel", 2, True),
-                           ("pipeline", 2, True), ("sharding", 2, True), ("tensor_parallel", 2, True),
+    assert fake_checks == [("setup", 2, True), ("dp", 2, True), ("allreduce", 2, True),
+                           ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
+                           ("tensor_parallel", 2, True),
                            ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-13:-2]
+    summary = captured.out.splitlines()[-15:-2]
     assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
     total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
     seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
     assert total == f"total wall time of the checks: {sum(seconds):.1f} s on 2 GPUs"
     assert [line.split(" | ")[:3] for line in summary[2:]] == [
-        ["| dp", "01_data_parallel", "passed"], ["| allreduce", "02_all_reduce", "passed"],
-        ["| model_parallel", "03_model_parallel", "passed"], ["| pipeline", "04_pipeline_parallel", "FAILED"],
+        ["| setup", "00_setup_and_devices", "passed"], ["| dp", "01_data_parallel", "passed"],
+        ["| allreduce", "02_all_reduce", "passed"], ["| model_parallel", "03_model_parallel", "passed"],
+        ["| pipeline", "04_pipeline_parallel", "FAILED"], ["| hybrid", "05_choosing_a_strategy", "passed"],
         ["| sharding", "06_sharded_data_parallel", "passed"],
         ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08_pipeline_schedules", "passed"],
         ["| inference", "09_inference", "passed"],
@@ -199,7 +205,7 @@ def test_main_with_one_gpu_runs_the_checks_that_need_one(monkeypatch, fake_check
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
     assert check_gpu.main([]) == 0
-    assert fake_checks == [("model_parallel", 1, False), ("inference", 1, False)]
+    assert fake_checks == [("setup", 1, False), ("model_parallel", 1, False), ("inference", 1, False)]
 
 
 def test_main_uses_the_gpus_asked_for(monkeypatch, fake_checks, capsys):
@@ -307,3 +313,14 @@ def test_allreduce_check_fails_when_the_ring_disagrees(monkeypatch, max_error):
         with pytest.raises(CheckError, match="ring_all_reduce differs from dist.all_reduce"):
             check_gpu.check_allreduce(4)
     assert [c.world_size for c in configs] == [4]
+
+
+def test_part_one_checks_run_on_cpu_ranks():
+    from parallel_lib.gpu_checks_part1 import check_hybrid, check_setup, hybrid_grid
+
+    assert hybrid_grid(2) == [(1, 2), (2, 1)] and hybrid_grid(8) == [(2, 4), (4, 2), (8, 1)]
+    assert "| tiny GPT-2, 10 steps | cpu | loss" in check_setup(2, quick=True)
+    rows = [line.split(" | ") for line in check_hybrid(2, quick=True).splitlines() if line.startswith("| 1 x 2")
+            or line.startswith("| 2 x 1")]
+    assert [(r[0], r[1]) for r in rows] == [("| 1 x 2", "1f1b"), ("| 1 x 2", "gpipe"), ("| 2 x 1", "1f1b")]
+    assert all(float(r[2]) < 1e-5 for r in rows)  # parameters as one process's
