@@ -100,6 +100,14 @@ def _loss_and_grads(model: nn.Module, batch: Batch, device: torch.device) -> Gra
     return _grads(model, loss)
 
 
+def _reference(workload: Workload) -> tuple[list[Batch], nn.Module, Grads]:
+    """The batches, the one-device GPT-2 every split is compared with, and its gradients on ``cuda:0``."""
+    vocab_size, batches = _batches(workload)
+    reference = build_gpt2(workload.model, vocab_size=vocab_size)
+    first = resolve_device(0)
+    return batches, reference, _loss_and_grads(copy.deepcopy(reference).to(first), batches[0], first)
+
+
 def _max_difference(expected: Grads, got: Grads, what: str) -> float:
     """Largest |difference| of the named tensors; raises ``CheckError`` if the loss or one of them is off."""
     try:
@@ -169,10 +177,7 @@ def _model_parallel_row(reference: nn.Module, expected: Grads, batches: list[Bat
 def check_model_parallel(n_gpus: int, quick: bool = False) -> str:
     """GPT-2 split over 1, 2, 4, ... devices by a device map: same gradients as one device, tokens/s."""
     workload = workload_for(quick)
-    vocab_size, batches = _batches(workload)
-    reference = build_gpt2(workload.model, vocab_size=vocab_size)
-    first = resolve_device(0)
-    expected = _loss_and_grads(copy.deepcopy(reference).to(first), batches[0], first)
+    batches, reference, expected = _reference(workload)
     rows = []
     for k in device_counts(n_gpus, reference.config.n_layer):
         rows.append(_model_parallel_row(reference, expected, batches, k))  # the split model is freed on return
@@ -220,10 +225,7 @@ def _pipeline_on(p: int, reference: nn.Module, expected: Grads, batch: Batch, wo
 def check_pipeline(n_gpus: int, quick: bool = False) -> str:
     """Pipe over 2, 4, ... devices: same gradients as one device, GPipe step times; then the PP benchmark."""
     workload = workload_for(quick)
-    vocab_size, batches = _batches(workload)
-    reference = build_gpt2(workload.model, vocab_size=vocab_size)
-    first = resolve_device(0)
-    expected = _loss_and_grads(copy.deepcopy(reference).to(first), batches[0], first)
+    batches, reference, expected = _reference(workload)
     matches, timings = [], []
     for p in [k for k in device_counts(n_gpus, reference.config.n_layer) if k >= 2]:
         rows = _pipeline_on(p, reference, expected, batches[0], workload)  # stages are freed on return

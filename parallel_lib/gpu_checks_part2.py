@@ -12,15 +12,13 @@ import statistics
 from dataclasses import replace
 from functools import partial
 
-from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import weighted_cross_entropy
-from parallel_lib.gpu_checks import (CheckError, _batches, _grads, _loss_and_grads, _max_difference,
+from parallel_lib.gpu_checks import (CheckError, _grads, _max_difference, _reference,
                                      free_memory, workload_for)
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.pipe import Pipe
-from parallel_lib.runtime.device import resolve_device
 from parallel_lib.runtime.launcher import launch
 
 __all__ = ["check_sharding", "check_tensor_parallel", "check_schedules"]
@@ -97,10 +95,7 @@ def check_schedules(n_gpus: int, quick: bool = False) -> str:
     """Chapter 08: every schedule's Pipe over cuda:0, cuda:1 (GPT-2 stages): gradients vs one GPU, step time."""
     from parallel_lib.pipeline_parallel.schedule import make_schedule, stages_per_rank
     workload = workload_for(quick)
-    vocab_size, batches = _batches(workload)
-    reference = build_gpt2(workload.model, vocab_size=vocab_size)
-    first = resolve_device(0)
-    expected = _loss_and_grads(copy.deepcopy(reference).to(first), batches[0], first)
+    batches, reference, expected = _reference(workload)
     batch = batches[0]
     ids, target = batch["input_ids"], (batch["labels"], batch["label_token_weights"])
     loss_fn = partial(weighted_cross_entropy, denominator=batch["label_token_weights"].sum())
