@@ -44,7 +44,8 @@ from parallel_lib.pipeline_parallel.microbatch import (
     scatter,
     split_like,
 )
-from parallel_lib.pipeline_parallel.run import CHECKPOINTS, Checkpoint, LossFn, PipelineRun, layout, sum_tied_gradients
+from parallel_lib.pipeline_parallel.run import (CHECKPOINTS, Checkpoint, LossFn, PipelineRun, StageError, layout,
+                                                sum_tied_gradients)
 from parallel_lib.pipeline_parallel.schedule import ALL_SCHEDULES, Action, Schedule, action_ready, make_schedule
 from parallel_lib.pipeline_parallel.simulator import _label
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
@@ -57,22 +58,6 @@ _Run = PipelineRun  # the name chapter 04's notebook prints
 TiedPair = tuple[nn.Parameter, nn.Parameter]
 _MOVING_DENIED = ("a Pipe places its stages itself and moving it would leave its devices inconsistent: "
                   "choose the devices when making it, e.g. Pipe(module, devices=[0, 1])")
-
-
-class StageError(RuntimeError):
-    """A stage raised while running an action; the original exception is the ``__cause__``.
-
-    Attributes:
-        stage: index of the failing stage.
-        action: the failing action, e.g. ``B(2)``.
-    """
-
-    def __init__(self, stage: int, action: Action, error: BaseException) -> None:
-        super().__init__(f"stage {stage} failed in {action} (micro-batch {action.micro_batch}): "
-                         f"{type(error).__name__}: {error} (the step's gradients are partial: zero them "
-                         f"before the next step)")
-        self.stage = stage
-        self.action = action
 
 
 class Pipe(nn.Module):

@@ -20,11 +20,27 @@ from parallel_lib.pipeline_parallel.schedule import Action, make_schedule, stage
 from parallel_lib.runtime.device import DeviceKey
 from parallel_lib.pipeline_parallel.stage import Saved, StageRunner, TensorOrTensors
 
-__all__ = ["PipelineRun", "LossFn", "Checkpoint", "CHECKPOINTS", "layout", "sum_tied_gradients"]
+__all__ = ["PipelineRun", "StageError", "LossFn", "Checkpoint", "CHECKPOINTS", "layout", "sum_tied_gradients"]
 
 LossFn = Callable[..., Tensor]
 Checkpoint = Literal["never", "except_last", "always"]
 CHECKPOINTS = ("never", "except_last", "always")  # torchgpipe's choices: which micro-batches recompute
+
+
+class StageError(RuntimeError):
+    """A stage raised while running an action; the original exception is the ``__cause__``.
+
+    Attributes:
+        stage: index of the failing stage.
+        action: the failing action, e.g. ``B(2)``.
+    """
+
+    def __init__(self, stage: int, action: Action, error: BaseException) -> None:
+        super().__init__(f"stage {stage} failed in {action} (micro-batch {action.micro_batch}): "
+                         f"{type(error).__name__}: {error} (the step's gradients are partial: zero them "
+                         f"before the next step)")
+        self.stage = stage
+        self.action = action
 
 
 class PipelineRun:
