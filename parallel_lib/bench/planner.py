@@ -38,7 +38,7 @@ from parallel_lib.sharding.train import ShardConfig, run_sharded
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.tensor_parallel.train import TPConfig, tp_worker
 
-__all__ = ["Row", "jobs", "run_jobs", "measure", "markdown", "main"]
+__all__ = ["Row", "jobs", "run_jobs", "run_layouts", "measure", "markdown", "main"]
 
 VOCAB, SEQ, BATCH = 512, 64, 16
 KEY = step_key("tiny", VOCAB, SEQ)
@@ -179,25 +179,35 @@ def _single(calibration: Calibration, steps: int) -> list[Row]:
     return rows
 
 
+def run_layouts(work: Sequence[tuple[Layout, str, Any, GPTShape]], world_size: int, calibration: Calibration,
+                repeats: int = 5, warm_up: bool = True, timeout: float = 600.0) -> list[Row]:
+    """Run ``work`` (from :func:`jobs`) in one launch of ``world_size`` ranks; price each layout at its load.
+
+    The launch calibrates ``world_size`` itself first, at the same moment as the runs, and that
+    calibration replaces ``calibration``'s entry for ``world_size``.
+    """
+    alone = Calibration(calibration.machine, {1: calibration.at(1)})  # what the ranks scale their probe by
+    launched = launch(run_jobs, world_size, [(engine, config) for _, engine, config, _ in work], alone, repeats,
+                      warm_up, threads_per_rank=1, timeout=timeout)
+    calibration.ranks[world_size] = launched[0][0]
+    rows = []
+    for k, (layout, engine, _, shape) in enumerate(work):
+        per_rank = [out[k] for _, out in launched]
+        load = per_rank[0][2] / calibration.at(world_size).step_times[KEY]  # > 1: busier than calibrated
+        p = price(layout, shape, BATCH, SEQ, calibration.slowed(world_size, load), KEY)
+        how = "parameters x 4 (tensors) x 4" if engine.startswith("tensor") else "tensor census"
+        rows.append(Row(layout, engine, p.step_seconds, _step_time([t for t, _, _ in per_rank]), p.state_bytes,
+                        max(s for _, s, _ in per_rank), how, load))
+    return rows
+
+
 def measure(steps: int = 5, world_sizes: Sequence[int] = (2, 4), quick: bool = False, repeats: int = 5,
             timeout: float = 600.0) -> tuple[Calibration, list[Row]]:
     """Calibrate (one process here, each world size at the start of its launch), run every layout, price it."""
     calibration = calibrate(world_sizes=(), repeats=repeats)
-    single = Calibration(calibration.machine, dict(calibration.ranks))  # what the launches receive
     rows = [] if quick else _single(calibration, steps)
     for n in world_sizes:
-        work = jobs(n, steps, quick)
-        launched = launch(run_jobs, n, [(engine, config) for _, engine, config, _ in work], single, repeats,
-                          not quick, threads_per_rank=1, timeout=timeout)
-        calibration.ranks[n] = launched[0][0]
-        results = [r for _, r in launched]
-        for k, (layout, engine, _, shape) in enumerate(work):
-            per_rank = [r[k] for r in results]
-            load = per_rank[0][2] / calibration.at(n).step_times[KEY]
-            p = price(layout, shape, BATCH, SEQ, calibration.slowed(n, load), KEY)
-            how = "parameters x 4 (tensors) x 4" if engine.startswith("tensor") else "tensor census"
-            rows.append(Row(layout, engine, p.step_seconds, _step_time([t for t, _, _ in per_rank]), p.state_bytes,
-                            max(s for _, s, _ in per_rank), how, load))
+        rows += run_layouts(jobs(n, steps, quick), n, calibration, repeats, not quick, timeout)
     return calibration, rows
 
 
