@@ -122,9 +122,10 @@ def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int,
             fits.append(Candidate(priced, candidate))
             return
     assert priced is not None
-    gib = 2**30
+    # GiB for a GPU's memory, MiB for the small jobs a CPU runs: the unit of the memory given
+    unit, size = ("GiB", 2**30) if memory >= 2**30 else ("MiB", 2**20)
     rejected.append(Candidate(priced, priced.layout,
-                              f"{priced.state_bytes / gib:.1f} GiB of model state + "
-                              f"{priced.activation_bytes / gib:.1f} GiB of activations ({priced.in_flight:g} "
+                              f"{priced.state_bytes / size:.1f} {unit} of model state + "
+                              f"{priced.activation_bytes / size:.1f} {unit} of activations ({priced.in_flight:g} "
                               "micro-batch(es) in flight) > "
-                              f"{memory / gib:.0f} GiB per device"))
+                              f"{memory / size:.0f} {unit} per device"))
