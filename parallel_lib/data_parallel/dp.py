@@ -19,6 +19,10 @@ the plain ``parallel_lib.common.training.train`` loop, and the two agree to floa
 (:class:`~parallel_lib.common.timeline.DeviceClock`): CUDA kernels run asynchronously, so
 without it "compute" would end when backward was queued and "sync" would absorb the rest.
 Per step, :attr:`DPResult.local` records the phases data, compute, sync, optimizer and gc.
+The timeline of the first ``timeline_steps`` steps is not read from that clock: on a GPU its
+bars are CUDA events on the streams that did the work (a bucket's all-reduce ends when it
+has run, see :class:`~parallel_lib.data_parallel.allreduce.BucketedAllReduce`), read after
+training, so it shows the all-reduces overlapping backward as they did.
 
 Run from a notebook with ``launch(run_dp, world_size, DPConfig(...))``, or from a shell
 (:mod:`parallel_lib.data_parallel.cli`)::
@@ -42,7 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lib.common.models import build_gpt2
-from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord, evaluate, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.partition import partition_dataset
@@ -187,7 +191,7 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
     loader = partition_dataset(rank, world_size, pairs, batch_size=config.batch_size, collate_fn=collate,
                                seed=config.data_seed)
     clock = DeviceClock([device])  # this rank's device only: another rank's GPU is not ours to wait for
-    recorder = TimelineRecorder(partial(synchronize_devices, [device]))
+    recorder = TimelineRecorder(device=device)  # a GPU: CUDA events on its streams, read after training
     lane = f"rank {rank}"
     local, epoch_times = TrainRecord(), []
     if config.timeline_steps and world_size > 1:

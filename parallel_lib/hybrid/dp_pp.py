@@ -50,7 +50,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
@@ -58,7 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallel_lib.common.models import GPT2_SIZES
-from parallel_lib.common.timeline import DeviceClock, TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import DeviceClock, TimelineRecorder
 from parallel_lib.common.training import TrainRecord, weighted_cross_entropy
 from parallel_lib.data.partition import partition_dataset
 from parallel_lib.data_parallel.dp import DPConfig, prepare_replica
@@ -237,7 +236,7 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
         params = list(module.parameters())
         optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
         clock = DeviceClock([device])  # this rank's device only
-        recorder = TimelineRecorder(partial(synchronize_devices, [device]) if device.type == "cuda" else None)
+        recorder = TimelineRecorder(device=device)  # a GPU: CUDA events, read with recorder.events
         stage = _Stage(module, grid, rank, hidden, config, recorder, device)
         gradients = StageGradients(module, tied, tied_groups[d] if len(tied) == 1 else None, dp_groups[j], grid.dp,
                                    stage.who, config.timeout, stage.record)

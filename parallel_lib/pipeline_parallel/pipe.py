@@ -133,8 +133,8 @@ class Pipe(nn.Module):
         self.timeout = float(timeout)
         self.tied_parameters = list(tied_parameters if tied_parameters is not None
                                     else getattr(module, "tied_parameters", ()))
-        # no recorder-wide device sync: each task waits for its own stage's device (worker.Task)
-        self.timeline = TimelineRecorder()  # events of the last call
+        # GPU stages are timed by CUDA events on their own streams (worker.Task), read after the call
+        self.timeline = TimelineRecorder(event_devices=self.devices)  # events of the last call
         self.peak_activations: list[int] = []  # per rank, in the last train_step (stage-activations)
         self.peak_activation_bytes: list[int] = []  # per rank: what autograd saved for backward, at its peak
         self._workers = Workers(self.devices, num_threads)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from parallel_lib.common.timeline import TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.pipeline_parallel.schedule import Action, stage_lane
 
 __all__ = ["Task", "Workers", "THREAD_PREFIX"]
@@ -51,9 +51,10 @@ class Task:
         grad_mode: autograd's grad mode for ``compute`` (grad mode is per thread, so
             the caller's ``torch.no_grad()`` must be handed over explicitly).
         recorder: when given, ``compute`` is recorded as one timeline event.
-        device: the stage's device. Each time stamp first waits for this device only, so
-            stages on different GPUs are timed independently (waiting on every stage's GPU
-            would put the stages in lockstep and hide the pipeline's overlap).
+        device: the stage's device, where the task's time stamps are taken: on a GPU, CUDA
+            events on its current stream (the recorder must time it), read after the step, so
+            no stage waits for its device and the stages overlap as they do untimed; on a CPU,
+            the host clock.
     """
 
     stage: int
@@ -68,15 +69,12 @@ class Task:
         with torch.set_grad_enabled(self.grad_mode):
             if self.recorder is None:
                 return self.compute()
-            own = [] if self.device is None else [self.device]
-            synchronize_devices(own)  # work queued before this task is not its time
-            start = self.recorder.now()
+            start = self.recorder.stamp(self.device)
             try:
                 return self.compute()
             finally:
-                synchronize_devices(own)  # until this task's kernels have run
-                self.recorder.add(stage_lane(self.stage), self.action.event_kind, self.action.micro_batch,
-                                  start, self.recorder.now(), self.label)
+                self.recorder.add_stamped(stage_lane(self.stage), self.action.event_kind, self.action.micro_batch,
+                                          start, self.recorder.stamp(self.device), self.label)
 
 
 def _serve_one(in_queue: Queue, out_queue: Queue, cancelled: threading.Event) -> bool:

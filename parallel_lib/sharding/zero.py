@@ -61,7 +61,11 @@ class ZeroEngine:
             before computing the current one.
         layer_groups: stage 3's layer groups (default: the children of the model's largest
             ``nn.ModuleList``, GPT-2's blocks); the remaining parameters form one more group.
-        recorder: stage 3: record "comm" events (all-gathers, reduce-scatters) on lane "rank R".
+        recorder: record "comm" events (all-reduces, reduce-scatters, all-gathers) on lane
+            "rank R comm" and, stage 3, each layer group's forward and backward on "rank R compute";
+            on a GPU build it with ``TimelineRecorder(device=...)``: CUDA events, no synchronisation
+            (an asynchronous collective ends when it has run, see
+            :meth:`~parallel_lib.common.timeline.TimelineRecorder.stamp_done`).
 
     Raises:
         RuntimeError: no initialised process group.
@@ -174,12 +178,15 @@ class ZeroEngine:
         return collective(output, input, async_op=async_op)
 
     def _timed(self, label: str, fn: Callable[[], Any]) -> Any:
+        """Run the collective ``fn`` as a "comm" event: to its end on a GPU, to its return on a CPU."""
         if self.recorder is None:
             return fn()
-        start = self.recorder.now()
-        result = fn()
-        self.recorder.add(f"rank {self.rank} comm", "comm", self.steps, start, self.recorder.now(), label)
-        return result
+        start = self.recorder.stamp()
+        work = fn()
+        end = self.recorder.stamp_done(work)  # None: blocking, or a CPU
+        self.recorder.add_stamped(f"rank {self.rank} comm", "comm", self.steps, start,
+                                  self.recorder.stamp() if end is None else end, label)
+        return work
 
     # --- gradients ---------------------------------------------------------------------------------
 
