@@ -32,6 +32,7 @@ class FakeCuda:
     synchronized: list = field(default_factory=list)  # devices waited for, in order
     times: list = field(default_factory=list)  # host times for the next recordings, consumed in order
     streams: list = field(default_factory=list)  # side streams made, in order
+    event_waits: list = field(default_factory=list)  # events the host waited for, in order
 
     def recorded_on(self, device: str) -> list:
         return [e for e in self.events if str(e.stream.device) == device]
@@ -54,6 +55,10 @@ def install(monkeypatch) -> FakeCuda:
             assert isinstance(stream, FakeStream), "record on the device's stream"
             self.stream, self.at = stream, log.times.pop(0) if log.times else time.perf_counter()
             log.events.append(self)
+
+        def synchronize(self) -> None:
+            assert self.stream is not None, "wait for a recorded event"
+            log.event_waits.append(self)
 
         def elapsed_time(self, end: "FakeEvent") -> float:
             assert self.stream is not None and end.stream is not None, "both events must be recorded"

@@ -147,8 +147,9 @@ def test_every_clock_read_of_a_rank_waits_for_its_own_device(monkeypatch):
     import parallel_lib.data_parallel.dp as dp
 
     log = record_clock_reads(monkeypatch)
-    # the timeline's stamps wait for nothing (CUDA events on a GPU, tests/test_gpu_timeline.py; the host
-    # clock on a CPU): give its host reads a logged wait, so the log checks the step clock's reads
+    # the recorder's stamps (phases, timeline) wait for nothing: CUDA events on a GPU, read after the step
+    # (tests/test_gpu_timeline.py), the host clock on a CPU; give its host reads a logged wait here, so
+    # that the log shows every clock read of the rank and no raw one
     recorder = dp.TimelineRecorder
     monkeypatch.setattr(dp, "TimelineRecorder", lambda device: recorder(
         lambda: timeline.synchronize_devices([device]), device=device))

@@ -234,6 +234,16 @@ class TimelineRecorder:
         with self._lock:
             self._pending.append((lane, kind, micro_batch, start, end, label))
 
+    def seconds(self, stamp: Stamp) -> float:
+        """Seconds since zero of a :meth:`stamp`; for a CUDA one, once the device has got there.
+
+        Waits for that one event only (not the device): call it after the step, when the
+        device has passed it, to read a duration without synchronising inside the step.
+        """
+        if not isinstance(stamp, float):
+            stamp.event.synchronize()
+        return self._seconds(stamp)
+
     def _seconds(self, stamp: Stamp) -> float:
         if isinstance(stamp, float):
             return stamp
