@@ -197,8 +197,10 @@ class TimelineRecorder:
 
         Call it right after issuing the collective. On a GPU the stamp is a CUDA event on
         the recorder's side stream for the device, made to wait (``work.wait()`` under
-        that stream) for the collective only; the host does not wait, and neither does
-        the compute stream (the consumer still calls ``work.wait()`` itself).
+        that stream) for the collective only; the host does not wait (unless
+        ``TORCH_NCCL_BLOCKING_WAIT`` is set), and neither does the compute stream: the
+        consumer still calls ``work.wait()`` itself, and keeps the collective's tensors alive
+        until then (NCCL may stop guarding them for the allocator at the first ``wait``).
 
         Returns:
             That stamp; None where only the host clock dates it (a CPU, or ``work`` None
