@@ -67,3 +67,38 @@ def count_every_kind(rank: int, world_size: int) -> tuple[dict, float, float]:
             work.wait()
     dist.all_reduce(x)  # after the block: not counted
     return outer.by_kind(), outer.wire_bytes(), inner.calls_of(), received[0].item()
+
+
+def mesh_groups(rank: int, world_size: int, mesh, flatten=()) -> dict:
+    """Build the mesh; sum each rank's number over every axis's group; report what was made and destroyed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = len(c10d._world.pg_map)
+    sums = {}
+    with mesh.build(timeout=30, flatten=flatten) as pm:
+        made = len(c10d._world.pg_map) - before
+        for axis in ["dp", "pp", "tp", *flatten, *(["tied"] if mesh.pp > 1 else [])]:
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, group=pm.group(axis))
+            sums[axis if isinstance(axis, str) else "-".join(axis)] = (x.item(), pm.peers(axis))
+        coords, index_tp, groups_made = pm.coords, pm.index("tp"), pm.groups_made
+    return dict(sums=sums, made=made, left=len(c10d._world.pg_map) - before, coords=coords, index_tp=index_tp,
+                groups_made=groups_made)
+
+
+def mesh_misuse(rank: int, world_size: int) -> list[str]:
+    """The errors a rank gets for a flattened group not built, a tied group without pp, a dead mesh."""
+    from parallel_lib.runtime.mesh import Mesh
+
+    seen = []
+    with Mesh(dp=2).build(timeout=30) as pm:
+        for axis in [("dp", "tp"), "tied"]:
+            try:
+                pm.group(axis)
+            except ValueError as error:
+                seen.append("no group along" if "no group along" in str(error) else "only when pp > 1")
+    try:
+        pm.group("dp")
+    except RuntimeError as error:
+        seen.append("destroyed" if "destroyed" in str(error) else str(error))
+    return seen
