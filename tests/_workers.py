@@ -102,3 +102,16 @@ def mesh_misuse(rank: int, world_size: int) -> list[str]:
     except RuntimeError as error:
         seen.append("destroyed" if "destroyed" in str(error) else str(error))
     return seen
+
+
+def tp_runs_leave_no_groups(rank: int, world_size: int, config) -> tuple[int, int, int]:
+    """Process groups alive before, between and after two tensor-parallel runs in one launch."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from parallel_lib.tensor_parallel import tp_worker
+
+    before = len(c10d._world.pg_map)
+    tp_worker(rank, world_size, config, return_state=False)
+    between = len(c10d._world.pg_map)
+    tp_worker(rank, world_size, config, return_state=False)
+    return before, between, len(c10d._world.pg_map)

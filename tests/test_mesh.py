@@ -66,7 +66,8 @@ def test_flattened_axes_and_of_world():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: Mesh(dp=0), "dp"),
+    (lambda: Mesh(dp=0), "dp must be an int >= 1, got dp=0"),
+    (lambda: Mesh(pp=1.5), "pp must be an int >= 1"),
     (lambda: Mesh(tp=2, order="pp-dp"), "order"),
     (lambda: Mesh(order="tp-tp-dp"), "order"),
     (lambda: Mesh(order="tp-xx"), "order"),
