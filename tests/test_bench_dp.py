@@ -54,7 +54,8 @@ def test_quick_run_through_the_bench_command(capsys):
 # --- every printed table comes from the one helper ------------------------------------------------
 
 TABLE_MODULES = ["parallel_lib.bench.dp", "parallel_lib.bench.allreduce", "parallel_lib.bench.pp",
-                 "parallel_lib.check_gpu", "parallel_lib.gpu_checks", "parallel_lib.gpu_checks_part2",
+                 "parallel_lib.check_gpu", "parallel_lib.gpu_checks._reference",
+                 "parallel_lib.gpu_checks.ch06_sharding",
                  "parallel_lib.planner.compare"]
 
 

@@ -23,7 +23,7 @@ LAYERS = {
     "pipeline_parallel": 4, "sharding": 4, "tensor_parallel": 4,
     "hybrid": 5, "inference": 5,
     "planner": 6,
-    "viz": 7, "bench": 7, "exercises": 7, "top": 7,
+    "viz": 7, "bench": 7, "exercises": 7, "gpu_checks": 7, "top": 7,
 }
 
 

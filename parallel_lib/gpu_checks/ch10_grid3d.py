@@ -8,7 +8,7 @@ Hugging Face's dense GPT-2 in one process on the CPU.
 from __future__ import annotations
 
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import CheckError
+from parallel_lib.gpu_checks._reference import CheckError
 
 __all__ = ["grid_for", "check_grid3d"]
 

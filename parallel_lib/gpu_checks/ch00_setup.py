@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import CheckError
+from parallel_lib.gpu_checks._reference import CheckError
 from parallel_lib.runtime.device import resolve_device
 from parallel_lib.runtime.launcher import launch
 

@@ -15,7 +15,7 @@ from functools import partial
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import weighted_cross_entropy
-from parallel_lib.gpu_checks import (CheckError, _grads, _max_difference, _reference,
+from parallel_lib.gpu_checks._reference import (CheckError, _grads, _max_difference, _reference,
                                      free_memory, workload_for)
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.pipe import Pipe

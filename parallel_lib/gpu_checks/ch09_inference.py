@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import CheckError, free_memory
+from parallel_lib.gpu_checks._reference import CheckError, free_memory
 from parallel_lib.inference import Engine, Request, ServeConfig, serve_many
 
 __all__ = ["check_inference"]
