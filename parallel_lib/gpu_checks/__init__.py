@@ -4,8 +4,9 @@ Each check runs its chapter's key result on the devices it is given (NCCL ranks,
 devices) and returns its table(s) as Markdown: the equivalence with one device or one process
 (a ``CheckError`` when it does not hold), then the chapter's measurement. The same functions run
 on CPU "devices" (gloo ranks, int device keys on a machine without GPUs), which is how the tests
-check them. A chapter's check lives in ``chNN_<chapter>.py``; what several checks share (the
-workload, the one-device reference, the gradient comparison, freeing memory) in ``_reference.py``.
+check them. Chapter NN's check, registered as ``NAME``, lives in ``chNN_NAME.py`` (``--only grid3d``
+runs ``ch10_grid3d.check_grid3d``); what several checks share (the workload, the one-device
+reference, the gradient comparison, freeing memory) lives in ``_reference.py``.
 
 :data:`CHECKS` maps each check's name (what ``--only`` takes) to its chapter and function, in
 chapter order; a later chapter adds its check with one :func:`register_check` line below.
@@ -18,9 +19,15 @@ from typing import Callable
 
 from parallel_lib.gpu_checks._reference import (FULL, QUICK, CheckError, Workload, device_counts, free_memory,
                                                 workload_for)
-from parallel_lib.gpu_checks.ch00_setup import check_hybrid, check_setup
-from parallel_lib.gpu_checks._reference import check_allreduce, check_dp, check_model_parallel, check_pipeline
-from parallel_lib.gpu_checks.ch06_sharding import check_schedules, check_sharding, check_tensor_parallel
+from parallel_lib.gpu_checks.ch00_setup import check_setup
+from parallel_lib.gpu_checks.ch01_dp import check_dp
+from parallel_lib.gpu_checks.ch02_allreduce import check_allreduce
+from parallel_lib.gpu_checks.ch03_model_parallel import check_model_parallel
+from parallel_lib.gpu_checks.ch04_pipeline import check_pipeline
+from parallel_lib.gpu_checks.ch05_hybrid import check_hybrid
+from parallel_lib.gpu_checks.ch06_sharding import check_sharding
+from parallel_lib.gpu_checks.ch07_tensor_parallel import check_tensor_parallel
+from parallel_lib.gpu_checks.ch08_schedules import check_schedules
 from parallel_lib.gpu_checks.ch09_inference import check_inference
 from parallel_lib.gpu_checks.ch10_grid3d import check_grid3d
 

@@ -1,27 +1,19 @@
-"""The GPU checks of Part II (chapters 06–08), beside Part I's in :mod:`parallel_lib.gpu_checks`.
+"""Chapter 06's GPU check: ZeRO-0..3, ZeroRedundancyOptimizer and FSDP2 on NCCL ranks train like one process.
 
-Each function runs its chapter's key run on the GPUs it is given (NCCL ranks, ``cuda:N``
-devices), compares with one process and returns the chapter's table; :mod:`parallel_lib.check_gpu`
-registers them. They reuse Part I's workload, gradient comparison and clean-up.
+:func:`check_sharding` compares every variant's parameters with one process, its census with
+``zero_memory``'s formula, then prints ``python -m parallel_lib.bench sharding``'s table.
+:mod:`parallel_lib.gpu_checks` registers it as ``sharding``.
 """
 
 from __future__ import annotations
 
-import copy
-import statistics
 from dataclasses import replace
-from functools import partial
 
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.common.timeline import DeviceClock
-from parallel_lib.common.training import weighted_cross_entropy
-from parallel_lib.gpu_checks._reference import (CheckError, _grads, _max_difference, _reference,
-                                     free_memory, workload_for)
-from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
-from parallel_lib.pipeline_parallel.pipe import Pipe
+from parallel_lib.gpu_checks._reference import CheckError
 from parallel_lib.runtime.launcher import launch
 
-__all__ = ["check_sharding", "check_tensor_parallel", "check_schedules"]
+__all__ = ["check_sharding"]
 
 
 def check_sharding(n_gpus: int, quick: bool = False) -> str:
@@ -57,68 +49,3 @@ def check_sharding(n_gpus: int, quick: bool = False) -> str:
     return "\n".join([f"Sharded data parallelism, {n_gpus} NCCL ranks, 3 AdamW steps: every variant's parameters "
                       "match one process on the CPU's:", "", table, "",
                       bench_sharding.markdown(bench_sharding.measure(bench_sharding.QUICK if quick else bench))])
-
-
-def check_tensor_parallel(n_gpus: int, quick: bool = False) -> str:
-    """Chapter 07: tensor-parallel GPT-2 (with and without sequence parallelism) on ``n_gpus`` ranks trains like one process.
-
-    tp is the largest of 4 and 2 that divides ``n_gpus`` (the tiny model has 4 heads); the
-    other factor is data parallelism. The reference is one process on the CPU.
-    """
-    from parallel_lib.tensor_parallel import TPConfig, dense_run, tp_worker
-
-    tp = 4 if n_gpus % 4 == 0 else 2
-    rows = []
-    for sequence_parallel in (False, True):
-        config = TPConfig(tp=tp, sequence_parallel=sequence_parallel, steps=3 if quick else 6)
-        results = launch(tp_worker, n_gpus, config, timeout=300)
-        losses, state = dense_run(config, results[0].dp)
-        worst = max(float((results[0].state[k] - state[k]).abs().max()) for k in state)
-        loss_gap = max(abs(a - b) / abs(b) for a, b in zip(results[0].record.losses, losses))
-        if worst > 1e-3 or loss_gap > 1e-4:  # AdamW lifts float noise on near-zero gradients to ~lr (1e-3)
-            raise CheckError(f"tensor parallel (tp={tp}, sequence_parallel={sequence_parallel}) on {n_gpus} ranks "
-                             f"does not match one process: parameters differ by {worst:.3g}, losses by {loss_gap:.3g}")
-        record = results[0].record
-        rows.append([tp, results[0].dp, "yes" if sequence_parallel else "no", f"{worst:.1e}", f"{loss_gap:.1e}",
-                     f"{record.throughput(skip=1):,.0f}", f"{results[0].activation_bytes / 1e6:.2f}"])
-    return "\n".join([f"Tensor parallelism on {n_gpus} ranks ({launch.__module__} picks NCCL with a GPU per rank): "
-                      "the gathered parameters after AdamW steps match one process on the CPU:", "",
-                      markdown_table(["tp", "dp", "sequence parallel", "max abs parameter difference",
-                                      "max relative loss difference", "target tokens/s (rank 0)",
-                                      "activations MB (rank 0)"], rows, "rrlrrrr")])
-
-
-# --------------------------------------------------------------------------- chapter 08
-
-
-def check_schedules(n_gpus: int, quick: bool = False) -> str:
-    """Chapter 08: every schedule's Pipe over cuda:0, cuda:1 (GPT-2 stages): gradients vs one GPU, step time."""
-    from parallel_lib.pipeline_parallel.schedule import make_schedule, stages_per_rank
-    workload = workload_for(quick)
-    batches, reference, expected = _reference(workload)
-    batch = batches[0]
-    ids, target = batch["input_ids"], (batch["labels"], batch["label_token_weights"])
-    loss_fn = partial(weighted_cross_entropy, denominator=batch["label_token_weights"].sum())
-    m = 4 if workload.rows >= 4 else 2  # interleaved needs m a multiple of p = 2
-    rows = []
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "dualpipev"):
-        if name == "dualpipev" and m < 4:  # DualPipeV needs m >= 2p micro-batches
-            rows.append([name, m, f"skipped: needs m >= 4, the batch has {workload.rows} rows", "–"])
-            continue
-        make_schedule(name, 2, m)  # refuses an m the schedule cannot run
-        model = copy.deepcopy(reference)
-        stages = gpt2_stages(model, ["cpu"] * (2 * stages_per_rank(name)))  # one Pipe layer per model stage
-        with Pipe(stages, [0, 1], chunks=m, schedule=name) as pipe:
-            clock, times = DeviceClock(pipe.devices), []
-            for _ in range(max(2, workload.repeats)):
-                stages.zero_grad(set_to_none=True)
-                start = clock()
-                got = _grads(model, pipe.train_step(ids, target, loss_fn, reduction="sum"))
-                times.append(clock() - start)
-        difference = _max_difference(expected, got, f"Pipe {name} on {pipe.devices}")
-        rows.append([name, m, f"{difference:.1e}", f"{statistics.median(times[1:]) * 1e3:.1f}"])
-        del model, stages
-        free_memory()
-    return "\n".join([f"Pipeline schedules (chapter 08), GPT-2 ({workload.model}) over 2 devices, loss and gradients "
-                      "against one device:", "",
-                      markdown_table(["schedule", "m", "max abs difference", "ms / step"], rows, "lrrr")])
