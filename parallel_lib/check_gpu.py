@@ -5,17 +5,10 @@ same code picks up GPUs when they are there (``launch`` chooses NCCL, int device
 keys resolve to ``cuda:k``). This script is the one command a reader with GPUs
 runs to see that happen, chapter by chapter, each printing its table:
 
-- ``dp`` (01, >= 2 GPUs): every gradient-sync method over one NCCL rank per GPU
-  trains like one process, then ``python -m parallel_lib.bench dp``'s table;
-- ``allreduce`` (02, >= 2 GPUs): ``bench allreduce``'s table, ring vs NCCL;
-- ``model_parallel`` (03, >= 1 GPU): GPT-2 split over ``cuda:0 .. cuda:k-1`` by a
-  device map gives the gradients of one GPU, and its tokens/s;
-- ``pipeline`` (04, >= 2 GPUs): ``Pipe`` over ``cuda:0 .. cuda:p-1`` gives the
-  gradients of one GPU, GPipe step times by micro-batch count, then
-  ``bench pp``'s table (threads vs ``torch.distributed.pipelining`` on NCCL).
-- ``sharding`` (06, >= 2 GPUs): ZeRO-0..3 (torch and ring collectives, prefetch),
-  ZeroRedundancyOptimizer and FSDP2 on NCCL ranks train like one process, the census
-  matches the formula, then ``bench sharding``'s table.
+``setup`` (00), ``dp`` (01), ``allreduce`` (02), ``model_parallel`` (03), ``pipeline`` (04),
+``hybrid`` (05), ``sharding`` (06), ``tensor_parallel`` (07), ``schedules`` (08), ``inference``
+(09) and ``grid3d`` (10); ``--only NAME`` runs chapter NN's ``parallel_lib/gpu_checks/chNN_NAME.py``,
+and the printed plan says what each does and how many GPUs it needs.
 
 The checks are a registry, :data:`parallel_lib.gpu_checks.CHECKS` (name -> chapter and check
 function, one module per chapter in :mod:`parallel_lib.gpu_checks`): a later chapter adds its check
