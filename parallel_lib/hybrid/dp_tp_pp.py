@@ -159,7 +159,9 @@ def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, sche
     """Stage j's actions for one replica batch [2]; returns the loss share on the last stage (0 elsewhere)."""
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
-    shape = lambda message: (*ids[message.micro_batch].shape, stage.model.config.n_embd)  # noqa: E731
+    parts = stage.model.tp if stage.model.sequence_parallel else 1  # a stage hands on 1/tp of the sequence
+    shape = lambda message: (len(ids[message.micro_batch]), ids[0].shape[1] // parts,  # noqa: E731
+                             stage.model.config.n_embd)
     exchanges = {e.before: e for e in exchange_plan(schedule, j)}
     actions = schedule.stages[j]
     saved: dict[int, Any] = {}
