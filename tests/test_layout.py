@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "parallel_lib"
 LAYERS = {
     "common": 0,
     "runtime": 1,
-    "data": 2,
+    "data": 2, "models": 2,
     "data_parallel": 3, "model_parallel": 3,
     "pipeline_parallel": 4, "sharding": 4, "tensor_parallel": 4,
     "hybrid": 5, "inference": 5,
