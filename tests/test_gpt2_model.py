@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel_lib.common import build_gpt2, gpt2_config
-from parallel_lib.inference.batch import Group, Request
-from parallel_lib.inference.kv_cache import KVCache
+from parallel_lib.inference import Engine, Request
 from parallel_lib.models import GPT2, SeededDropout, DropoutStream, build_model, from_hf, to_hf
 from parallel_lib.models import dropout as dropout_module
 
@@ -68,28 +67,13 @@ def test_build_model_is_reproducible_and_seeded():
     assert float(a.transformer.h[0].mlp.c_proj.weight.detach().std()) < 0.6 * std
 
 
-def _greedy_with_cache(model: GPT2, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy decoding with the engine's KV cache and plan (right-padded prefill, then one token a step)."""
-    group = Group([Request(tuple(p), max_new_tokens=new_tokens) for p in prompts], list(range(len(prompts))))
-    cache = KVCache(range(model.config.n_layer), len(prompts), model.config.n_head, group.max_len,
-                    model.config.n_embd // model.config.n_head, next(model.parameters()).dtype)
-    tokens = None
-    with torch.no_grad():
-        for step in range(group.steps):
-            inputs = group.prefill() if step == 0 else group.decode(step, tokens)
-            logits = model(inputs.ids, positions=inputs.positions, allowed=inputs.mask,
-                           cache=cache.at(inputs.slots, inputs.upto))
-            last = logits[torch.arange(len(prompts)), inputs.last]
-            tokens = group.accept(step, last.float(), 0.0, 0.0)
-    return [r.tokens for r in group.results]
-
-
 def test_bf16_greedy_decoding_with_kv_cache_equals_hugging_faces_generate():
     hf = build_gpt2("tiny", VOCAB, seed=0, initializer_range=0.2).eval().to(torch.bfloat16)
     ours = from_hf(hf)
     assert ours.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
     prompts = [[5, 9, 2, 33, 7], [1, 2], [60, 3, 3, 8, 12, 40, 41, 2]]
-    mine = _greedy_with_cache(ours, prompts, 12)
+    # the engine runs the one model's blocks with its KV cache: right-padded prefill, then a token a step
+    mine = [r.tokens for r in Engine.single(ours, max_batch=3).generate([Request(tuple(p), 12) for p in prompts])]
     for prompt, got in zip(prompts, mine):
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=12, do_sample=False, pad_token_id=0)

@@ -1,0 +1,49 @@
+"""Worker functions for tests/test_parallelize_tp.py, run inside ranks that ``launch`` spawns."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel_lib.models import build_model
+from parallel_lib.tensor_parallel import gather_dense, parallelize_tp, sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel import regions as R
+from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+
+
+class AxisMesh:
+    """The part of a ``RankMesh`` that ``parallelize_tp`` reads: the group along an axis."""
+
+    def __init__(self, groups: dict) -> None:
+        self.groups = groups
+
+    def group(self, axis: str):
+        return self.groups[axis]
+
+
+def train_steps(model: torch.nn.Module, config: TPConfig, group=None) -> tuple[torch.Tensor, list[float]]:
+    """First-step logits and every step's loss of ``config.steps`` AdamW steps on ``make_batches(config)``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    model.train()
+    first, losses = None, []
+    for batch in make_batches(config):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(batch["input_ids"], batch["attention_mask"])
+        loss = model.loss(logits, batch["labels"], batch["label_token_weights"])
+        loss.backward()
+        sync_sequence_parallel_grads(model)
+        optimizer.step()
+        if first is None:
+            first = R._all_gather(logits.detach(), -1, group) if group is not False else logits.detach()
+        losses.append(float(loss.detach()))
+    return first, losses
+
+
+def one_model_tp(rank: int, world_size: int, config: TPConfig, via_mesh: bool) -> dict:
+    """The one GPT-2 split by ``parallelize_tp`` over all ranks: first logits, losses, gathered parameters."""
+    model = build_model(config.model, config.vocab_size, config.seed, **config.overrides())
+    target = AxisMesh({"tp": dist.group.WORLD}) if via_mesh else dist.group.WORLD
+    parallelize_tp(model, target, sequence_parallel=config.sequence_parallel)
+    logits, losses = train_steps(model, config, dist.group.WORLD)
+    state = {k: v.clone() for k, v in gather_dense(model).state_dict().items()}
+    return dict(logits=logits, losses=losses, state=state, group_is_world=model.tp_info.group is dist.group.WORLD)

@@ -1,0 +1,49 @@
+"""``parallelize_tp`` on the one GPT-2: 2 gloo ranks equal one process (logits, loss, parameters after AdamW)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel_lib.models import build_model
+from parallel_lib.runtime import launch
+from parallel_lib.tensor_parallel import parallelize_tp, tp_group_of
+from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+from _tp_workers import AxisMesh, one_model_tp, train_steps
+
+
+def _one_process(config: TPConfig):
+    model = build_model(config.model, config.vocab_size, config.seed, **config.overrides())
+    logits, losses = train_steps(model, config, group=False)
+    return logits, losses, model.state_dict()
+
+
+@pytest.mark.parametrize("sequence_parallel,dropout,via_mesh", [(False, 0.0, False), (True, 0.1, True)])
+def test_two_ranks_equal_one_process(sequence_parallel, dropout, via_mesh):
+    config = TPConfig(sequence_parallel=sequence_parallel, dropout=dropout, steps=3)
+    results = launch(one_model_tp, 2, config, via_mesh, backend="gloo", timeout=180)
+    logits, losses, state = _one_process(config)
+    mask = make_batches(config)[0]["attention_mask"].bool()  # padding queries' logits are never read
+    for r in results:
+        assert r["group_is_world"]  # a mesh's "tp" axis, or the group itself
+        torch.testing.assert_close(r["logits"][mask], logits[mask], rtol=0, atol=1e-5)
+        assert r["losses"] == pytest.approx(losses, rel=1e-5)
+        assert list(r["state"]) == list(state)
+        # AdamW turns gradient differences of ~1e-8 into updates of up to lr on near-zero gradients
+        assert max(float((r["state"][k] - state[k]).abs().max()) for k in state) < 3e-4
+
+
+def test_mesh_or_group():
+    sentinel = object()
+    assert tp_group_of(AxisMesh({"tp": sentinel})) is sentinel
+    assert tp_group_of(sentinel) is sentinel
+
+
+def test_bad_models_and_options_are_refused():
+    with pytest.raises(TypeError, match="model must be the one GPT2"):
+        parallelize_tp(torch.nn.Linear(2, 2), None)
+    model = parallelize_tp(build_model("tiny", 64), None)
+    with pytest.raises(ValueError, match="already tensor-parallel"):
+        parallelize_tp(model, None)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs vocab_parallel=True"):
+        parallelize_tp(build_model("tiny", 64), None, sequence_parallel=True, vocab_parallel=False)
