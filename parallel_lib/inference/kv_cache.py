@@ -95,7 +95,7 @@ class KVCache:
         return self.k[layer][:batch, :, :upto], self.v[layer][:batch, :, :upto]
 
     def at(self, slots: torch.Tensor, upto: int) -> CacheStep:
-        """This cache as the model's KV store for one forward pass: write at ``slots`` (b, s), read slots ``0..upto-1``."""
+        """This cache as the model's KV store for one pass: write at ``slots`` (b, s), read slots ``0..upto-1``."""
         return CacheStep(self, slots, upto)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -70,7 +70,8 @@ class Stage(nn.Module):
         self.width = self.blocks[0].ln_1.normalized_shape[0] if len(self.blocks) else 0  # n_embd
         self.wte, self.wpe = embed if embed is not None else (None, None)
         self.ln_f, self.lm_head = head if head is not None else (None, None)
-        if tied_to is not None:  # another stage's embedding, outside this module's parameters: its bytes are that stage's
+        if tied_to is not None:  # another stage's embedding, kept outside this module's parameters:
+            # its bytes are that stage's
             self.__dict__["_tied_head"] = LMHead(tied_to.weight)
 
     @property

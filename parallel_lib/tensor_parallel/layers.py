@@ -16,7 +16,7 @@ the ``f``/``g`` pair becomes all-gather / reduce-scatter along the sequence.
 Parameters that every rank holds whole but, under sequence parallelism, sees only a
 slice of the sequence for (the row layer's bias, layer norms) are marked with
 ``param.sequence_parallel = True``: their gradients need an all-reduce over the group
-(:func:`parallel_lib.tensor_parallel.gpt2.sync_sequence_parallel_grads`).
+(:func:`parallel_lib.tensor_parallel.sequence.sync_sequence_parallel_grads`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 One block after :func:`parallelize_tp` (Megatron-LM's split; ``f``/``g`` from :mod:`.regions`)::
 
-    x ─ ln_1 ─ f ─ attn.c_attn (column: my heads of q, k, v) ─ attention on my heads ─ attn.c_proj (row) ─ g ─ + x
-    x ─ ln_2 ─ f ─ mlp.c_fc   (column: 4h/t features) ─ gelu ─ mlp.c_proj (row) ─ g ─ + x
+    x ─ ln_1 ─ f ─ attn.c_attn (column: my heads of q, k, v) ─ attention on my heads ─ attn.c_proj (row) ─ g ─ +x
+    x ─ ln_2 ─ f ─ mlp.c_fc   (column: 4h/t features) ─ gelu ─ mlp.c_proj (row) ─ g ─ +x
 
 so a block costs two all-reduces of (b, s, h) forward (the two ``g``) and two backward (the
 two ``f``). The token embedding and the head hold 1/t of the vocabulary each
@@ -155,11 +155,10 @@ def parallelize_tp(model: GPT2, mesh_or_group: Any, sequence_parallel: bool = Fa
         raise ValueError("sequence_parallel=True needs vocab_parallel=True (the vocabulary-parallel embedding "
                          "reduce-scatters the sequence); pass vocab_parallel=True")
     rank, config, t = R.group_rank(group), model.config, model.transformer
-    sp = dict(sequence_parallel=sequence_parallel)
     for block in t.h:
         split_block(block, group, sequence_parallel, naive_qkv)
     if vocab_parallel:
-        t.wte = VocabParallelEmbedding.from_dense(t.wte, group, **sp)
+        t.wte = VocabParallelEmbedding.from_dense(t.wte, group, sequence_parallel=sequence_parallel)
         model.lm_head = VocabParallelHead(t.wte)  # tied: the same shard
     if sequence_parallel:
         t.wpe = SequenceParallelPositions.from_dense(t.wpe, group)
