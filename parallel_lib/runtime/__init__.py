@@ -11,11 +11,13 @@ What launches ranks, file by file:
 - ``payload``: pickling the job here and unpickling it in the rank, naming what cannot travel;
 - ``spawned``: the rank's entry point and its watch on the parent;
 - ``supervise``: waiting for the ranks (start-up and run timeouts) and stopping them;
-- ``failures``: ``RankError``/``LaunchTimeoutError`` and what each symptom usually means.
+- ``failures``: ``RankError``/``LaunchTimeoutError`` and what each symptom usually means;
+- ``mesh``: the ranks on named axes (dp, pp, ep, cp, tp) and every process group, built once.
 """
 
 from parallel_lib.runtime.collectives import CollectiveCall, CollectiveCounter, count_collectives, ring_wire_bytes
 from parallel_lib.runtime.device import DeviceKey, check_device_keys, cpu_count, devices, rank_device, resolve_device
+from parallel_lib.runtime.mesh import AXES, MEGATRON_ORDER, Mesh, RankMesh
 from parallel_lib.runtime.environment import all_reduce_demo, environment_info, environment_report, machine_label
 from parallel_lib.runtime.launcher import (
     BACKENDS,
@@ -30,6 +32,10 @@ from parallel_lib.runtime.launcher import (
 )
 
 __all__ = [
+    "AXES",
+    "MEGATRON_ORDER",
+    "Mesh",
+    "RankMesh",
     "CollectiveCall",
     "CollectiveCounter",
     "count_collectives",
