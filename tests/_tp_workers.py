@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from parallel_lib.models import build_model
+from parallel_lib.runtime.mesh import Mesh
 from parallel_lib.tensor_parallel import gather_dense, parallelize_tp, sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
-
-
-class AxisMesh:
-    """The part of a ``RankMesh`` that ``parallelize_tp`` reads: the group along an axis."""
-
-    def __init__(self, groups: dict) -> None:
-        self.groups = groups
-
-    def group(self, axis: str):
-        return self.groups[axis]
 
 
 def train_steps(model: torch.nn.Module, config: TPConfig, group=None) -> tuple[torch.Tensor, list[float]]:
@@ -40,10 +30,13 @@ def train_steps(model: torch.nn.Module, config: TPConfig, group=None) -> tuple[t
 
 
 def one_model_tp(rank: int, world_size: int, config: TPConfig, via_mesh: bool) -> dict:
-    """The one GPT-2 split by ``parallelize_tp`` over all ranks: first logits, losses, gathered parameters."""
-    model = build_model(config.model, config.vocab_size, config.seed, **config.overrides())
-    target = AxisMesh({"tp": dist.group.WORLD}) if via_mesh else dist.group.WORLD
-    parallelize_tp(model, target, sequence_parallel=config.sequence_parallel)
-    logits, losses = train_steps(model, config, dist.group.WORLD)
-    state = {k: v.clone() for k, v in gather_dense(model).state_dict().items()}
-    return dict(logits=logits, losses=losses, state=state, group_is_world=model.tp_info.group is dist.group.WORLD)
+    """The one GPT-2 split by ``parallelize_tp`` over all ranks: first logits, losses, gathered parameters.
+
+    ``via_mesh``: pass the ``RankMesh`` itself (its "tp" axis is used), else its tp group.
+    """
+    with Mesh(tp=world_size).build() as pm:
+        model = build_model(config.model, config.vocab_size, config.seed, **config.overrides())
+        parallelize_tp(model, pm if via_mesh else pm.group("tp"), sequence_parallel=config.sequence_parallel)
+        logits, losses = train_steps(model, config, pm.group("tp"))
+        state = {k: v.clone() for k, v in gather_dense(model).state_dict().items()}
+        return dict(logits=logits, losses=losses, state=state, mesh_group=model.tp_info.group is pm.group("tp"))

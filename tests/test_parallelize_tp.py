@@ -7,9 +7,9 @@ import torch
 
 from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
-from parallel_lib.tensor_parallel import parallelize_tp, tp_group_of
+from parallel_lib.tensor_parallel import parallelize_tp
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
-from _tp_workers import AxisMesh, one_model_tp, train_steps
+from _tp_workers import one_model_tp, train_steps
 
 
 def _one_process(config: TPConfig):
@@ -25,18 +25,12 @@ def test_two_ranks_equal_one_process(sequence_parallel, dropout, via_mesh):
     logits, losses, state = _one_process(config)
     mask = make_batches(config)[0]["attention_mask"].bool()  # padding queries' logits are never read
     for r in results:
-        assert r["group_is_world"]  # a mesh's "tp" axis, or the group itself
+        assert r["mesh_group"]  # the mesh's "tp" axis, or that group passed itself
         torch.testing.assert_close(r["logits"][mask], logits[mask], rtol=0, atol=1e-5)
         assert r["losses"] == pytest.approx(losses, rel=1e-5)
         assert list(r["state"]) == list(state)
         # AdamW turns gradient differences of ~1e-8 into updates of up to lr on near-zero gradients
         assert max(float((r["state"][k] - state[k]).abs().max()) for k in state) < 3e-4
-
-
-def test_mesh_or_group():
-    sentinel = object()
-    assert tp_group_of(AxisMesh({"tp": sentinel})) is sentinel
-    assert tp_group_of(sentinel) is sentinel
 
 
 def test_bad_models_and_options_are_refused():

@@ -31,6 +31,7 @@ from torch import nn
 
 from parallel_lib.models.gpt2 import GPT2, Block
 from parallel_lib.models.linear import Conv1D
+from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel_lib.tensor_parallel.sequence import SequenceParallelPositions, mark_sequence_parallel
@@ -59,9 +60,8 @@ def tp_group_of(mesh_or_group: Any) -> Any:
     ``None`` means the default group (or one rank holding everything when ``torch.distributed``
     is not initialised): kept for the one-process references; new code passes a mesh or a group.
     """
-    group_of = getattr(mesh_or_group, "group", None)
-    if callable(group_of) and not isinstance(mesh_or_group, dist.ProcessGroup):
-        return group_of("tp")
+    if isinstance(mesh_or_group, RankMesh):
+        return mesh_or_group.group("tp")
     return mesh_or_group
 
 
