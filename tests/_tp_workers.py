@@ -40,3 +40,25 @@ def one_model_tp(rank: int, world_size: int, config: TPConfig, via_mesh: bool) -
         logits, losses = train_steps(model, config, pm.group("tp"))
         state = {k: v.clone() for k, v in gather_dense(model).state_dict().items()}
         return dict(logits=logits, losses=losses, state=state, mesh_group=model.tp_info.group is pm.group("tp"))
+
+
+def stages_in_a_row(rank: int, world_size: int, sequence_parallel: bool) -> dict:
+    """A TP shard cut into 2 pipeline stages run one after the other here: logits and loss vs the uncut shard."""
+    from parallel_lib.common.models import build_gpt2
+    from parallel_lib.hybrid.tp_stages import TensorParallelStage, stage_loss
+    from parallel_lib.tensor_parallel import tensor_parallelize
+
+    config = TPConfig(sequence_parallel=sequence_parallel)
+    batch = make_batches(config)[0]
+    ids, labels, weights = batch["input_ids"], batch["labels"], batch["label_token_weights"]
+    with Mesh(tp=world_size).build() as pm:
+        model = tensor_parallelize(build_gpt2(config.model, config.vocab_size, config.seed), pm.group("tp"),
+                                   sequence_parallel)
+        whole = model(ids)
+        stages = [TensorParallelStage(model, j, 2) for j in range(2)]
+        x = ids
+        for stage in stages:
+            x = stage(x)
+        loss = stage_loss(stages[1], labels, weights, float(weights.sum()))(x)
+        return dict(logits=float((x - whole).abs().max()), shape=tuple(x.shape),
+                    loss=abs(float(loss) - float(model.loss(whole, labels, weights))))

@@ -9,7 +9,7 @@ from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
 from parallel_lib.tensor_parallel import parallelize_tp
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
-from _tp_workers import one_model_tp, train_steps
+from _tp_workers import one_model_tp, stages_in_a_row, train_steps
 
 
 def _one_process(config: TPConfig):
@@ -41,3 +41,11 @@ def test_bad_models_and_options_are_refused():
         parallelize_tp(model, None)
     with pytest.raises(ValueError, match="sequence_parallel=True needs vocab_parallel=True"):
         parallelize_tp(build_model("tiny", 64), None, sequence_parallel=True, vocab_parallel=False)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pipeline_stages_of_a_tp_shard_run_the_same_model(sequence_parallel):
+    # the stages are slices of model.transformer.h plus the ends: in a row they are the shard itself
+    for r in launch(stages_in_a_row, 2, sequence_parallel, backend="gloo", timeout=120):
+        assert r["shape"] == (4, 32, 64)  # this rank's half of the vocabulary, every token
+        assert r["logits"] < 1e-5 and r["loss"] < 1e-6, r

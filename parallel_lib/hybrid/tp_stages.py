@@ -55,18 +55,15 @@ class TensorParallelStage(nn.Module):
             the head's copy; empty in between and when one stage holds both, which share one parameter).
 
     Raises:
-        ValueError: ``model`` is not split by ``parallelize_tp``, or is split with sequence parallelism.
+        ValueError: ``model`` is not split by ``parallelize_tp`` with ``vocab_parallel=True``.
     """
 
     def __init__(self, model: GPT2, j: int, pp: int) -> None:
         super().__init__()
         info = getattr(model, "tp_info", None)
-        if info is None:
+        if info is None or not info.vocab_parallel:
             raise ValueError("model must be tensor-parallel (tensor_parallelize or parallelize_tp) with "
                              "vocab_parallel=True")
-        if info.sequence_parallel:
-            raise ValueError("a pipeline stage of a sequence-parallel model is not supported: pass "
-                             "sequence_parallel=False to tensor_parallelize")
         self.first, self.last = j == 0, j == pp - 1
         t = model.transformer
         self.blocks_index = stage_blocks(len(t.h), pp)[j]
@@ -89,15 +86,19 @@ class TensorParallelStage(nn.Module):
         return self._model[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        info = self.model.tp_info
+        # the whole sequence's length: under sequence parallelism the hidden states between blocks,
+        # and so between stages, hold this rank's 1/tp of it (the embedding reduce-scatters into it)
+        s = x.shape[1] if self.first or not info.sequence_parallel else x.shape[1] * info.tp
         if self.first:
             x = self.model.transformer.embed(x)  # the model's own embedding (this stage's wte, wpe, drop)
         # causal only: the batches are right-padded, so a real token never sees padding, and
         # padded positions carry zero loss weight
-        allowed = allowed_keys(x.shape[1], None, x.device)
+        allowed = allowed_keys(s, None, x.device)
         for block in self.h:
             x = block(x, allowed)
-        if self.last:
-            x = self.head(self.ln_f(x))  # (b, s, V/t): my vocabulary slice's logits
+        if self.last:  # f, or the all-gather of the sequence, then my vocabulary slice's logits (b, s, V/t)
+            x = self.head(self.ln_f(x))
         return x
 
 
