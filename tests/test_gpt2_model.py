@@ -62,6 +62,11 @@ def test_build_model_is_reproducible_and_seeded():
     assert not torch.equal(a.transformer.wte.weight, c.transformer.wte.weight)
     std = a.config.initializer_range
     assert abs(float(a.transformer.h[0].mlp.c_fc.weight.detach().std()) - std) < 0.2 * std
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    GPT2(gpt2_config("tiny", VOCAB))
+    assert torch.equal(torch.rand(3), expected)  # building leaves the caller's random stream alone
     # GPT-2's scaled residual projections
     assert float(a.transformer.h[0].mlp.c_proj.weight.detach().std()) < 0.6 * std
 

@@ -146,18 +146,21 @@ class GPT2(nn.Module):
 
     Args:
         config: a ``GPT2Config`` (:func:`parallel_lib.common.models.gpt2_config`).
-        dropout_seed: the seed of every dropout mask (:mod:`.dropout`).
+        seed: the seed of the initial weights (:func:`init_weights`) and of every dropout mask
+            (:mod:`.dropout`). Building never touches the caller's random stream.
 
     Raises:
         TypeError, ValueError: see :func:`check_config`.
     """
 
-    def __init__(self, config: Any, dropout_seed: int = 0) -> None:
+    def __init__(self, config: Any, seed: int = 0) -> None:
         super().__init__()
         self.config = check_config(config)
-        self.dropout_stream = DropoutStream(dropout_seed)
-        self.transformer = GPT2Transformer(config, self.dropout_stream)
+        self.dropout_stream = DropoutStream(seed)
+        with torch.random.fork_rng(devices=[]):  # nn.Embedding draws its own init: keep it off the caller's stream
+            self.transformer = GPT2Transformer(config, self.dropout_stream)
         self.lm_head = LMHead(self.transformer.wte.weight)
+        init_weights(self, seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
                 positions: Optional[torch.Tensor] = None, allowed: Optional[torch.Tensor] = None,
@@ -235,5 +238,4 @@ def build_model(name: str = "tiny", vocab_size: int = 50257, seed: int = 0, dtyp
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16), "
                          f"got {dtype!r}")
-    model = GPT2(gpt2_config(name, vocab_size, **overrides), dropout_seed=seed)
-    return init_weights(model, seed).to(dtype)
+    return GPT2(gpt2_config(name, vocab_size, **overrides), seed).to(dtype)

@@ -21,6 +21,8 @@ __all__ = ["from_hf", "to_hf", "as_gpt2"]
 def from_hf(hf_model: Any, dropout_seed: int = 0) -> GPT2:
     """The one GPT-2 holding a copy of ``hf_model``'s parameters (same dtype, device and train/eval mode).
 
+    ``dropout_seed`` seeds its dropout masks (:mod:`.dropout`).
+
     Raises:
         TypeError: ``hf_model`` is not a Hugging Face ``GPT2LMHeadModel``.
         ValueError: its config uses a setting the one model does not implement.
@@ -29,7 +31,7 @@ def from_hf(hf_model: Any, dropout_seed: int = 0) -> GPT2:
         raise TypeError(f"hf_model must be a Hugging Face GPT2LMHeadModel (e.g. build_gpt2('tiny')), got "
                         f"{type(hf_model).__name__}")
     first = next(hf_model.parameters())
-    model = GPT2(hf_model.config, dropout_seed).to(first.device, first.dtype)
+    model = GPT2(hf_model.config, seed=dropout_seed).to(first.device, first.dtype)
     model.load_state_dict(hf_model.state_dict())
     return model.train(hf_model.training)
 

@@ -81,8 +81,7 @@ def gather_dense(model: GPT2) -> GPT2:
                         f"{type(model).__name__}{'' if info else ' without tp_info'}")
     config, tp, group = model.config, info.tp, info.group
     first = next(model.parameters())
-    with torch.random.fork_rng(devices=[]):
-        dense = GPT2(config, model.dropout_stream.seed).to(first.device, first.dtype)
+    dense = GPT2(config, seed=model.dropout_stream.seed).to(first.device, first.dtype)
     rows = (lambda r: naive_qkv_rows(config.n_embd, r, tp)) if info.naive_qkv else \
         (lambda r: qkv_rows(config.n_embd, config.n_head, r, tp))
     order = torch.cat([rows(r) for r in range(tp)]).to(first.device)
