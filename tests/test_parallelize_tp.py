@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_lib.models import build_model
+from parallel_lib.models import build_model, to_hf
 from parallel_lib.runtime import launch
-from parallel_lib.tensor_parallel import parallelize_tp
+from parallel_lib.tensor_parallel import gather_dense, parallelize_tp
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
 from _tp_workers import one_model_tp, stages_in_a_row, train_steps
 
@@ -49,3 +49,17 @@ def test_pipeline_stages_of_a_tp_shard_run_the_same_model(sequence_parallel):
     for r in launch(stages_in_a_row, 2, sequence_parallel, backend="gloo", timeout=120):
         assert r["shape"] == (4, 32, 64)  # this rank's half of the vocabulary, every token
         assert r["logits"] < 1e-5 and r["loss"] < 1e-6, r
+
+
+@pytest.mark.parametrize("naive_qkv", [False, True])
+def test_one_rank_split_gathers_back_exactly(naive_qkv):
+    dense = build_model("tiny", 64, seed=3)
+    split = parallelize_tp(build_model("tiny", 64, seed=3), None, naive_qkv=naive_qkv)
+    assert type(split.transformer.h[0].attn.c_attn).__name__ == "ColumnParallelLinear"
+    with pytest.raises(TypeError, match="gather it into a dense model first"):
+        to_hf(split)
+    back = gather_dense(split)
+    for (k, a), b in zip(dense.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    ids = torch.randint(0, 64, (2, 10))
+    torch.testing.assert_close(split.eval()(ids), dense.eval()(ids), rtol=0, atol=1e-5)
