@@ -159,7 +159,7 @@ def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, sche
     """Stage j's actions for one replica batch [2]; returns the loss share on the last stage (0 elsewhere)."""
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
-    shape = lambda message: (*ids[message.micro_batch].shape, stage.model.config.n_embd)  # noqa: E731
+    shape = lambda message: stage.hidden_shape(*ids[message.micro_batch].shape)  # noqa: E731  (1/tp of it under SP)
     exchanges = {e.before: e for e in exchange_plan(schedule, j)}
     actions = schedule.stages[j]
     saved: dict[int, Any] = {}

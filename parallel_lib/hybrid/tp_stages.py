@@ -85,6 +85,15 @@ class TensorParallelStage(nn.Module):
     def model(self) -> GPT2:
         return self._model[0]
 
+    def hidden_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
+        """The hidden states a stage hands on for ``batch`` sequences of ``seq_len`` tokens.
+
+        ``(batch, seq_len, n_embd)``, or ``seq_len / tp`` tokens under sequence parallelism:
+        each rank then holds its slice of the sequence between blocks, and so between stages.
+        """
+        info = self.model.tp_info
+        return batch, seq_len // (info.tp if info.sequence_parallel else 1), self.model.config.n_embd
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         info = self.model.tp_info
         # the whole sequence's length: under sequence parallelism the hidden states between blocks,
