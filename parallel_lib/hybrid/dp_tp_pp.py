@@ -159,9 +159,7 @@ def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, sche
     """Stage j's actions for one replica batch [2]; returns the loss share on the last stage (0 elsewhere)."""
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
-    parts = stage.model.tp if stage.model.sequence_parallel else 1  # a stage hands on 1/tp of the sequence
-    shape = lambda message: (len(ids[message.micro_batch]), ids[0].shape[1] // parts,  # noqa: E731
-                             stage.model.config.n_embd)
+    shape = lambda message: stage.hidden_shape(*ids[message.micro_batch].shape)  # noqa: E731  (1/tp of it under SP)
     exchanges = {e.before: e for e in exchange_plan(schedule, j)}
     actions = schedule.stages[j]
     saved: dict[int, Any] = {}

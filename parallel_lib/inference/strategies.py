@@ -32,6 +32,7 @@ from parallel_lib.inference.engine import Engine
 from parallel_lib.inference.pipeline import run_pipeline_stage
 from parallel_lib.inference.stage import build_stage
 from parallel_lib.model_parallel.device_map import get_device_map
+from parallel_lib.models.hf import as_gpt2
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import is_torchrun, run
 from parallel_lib.tensor_parallel.split import check_divisible
@@ -223,7 +224,7 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
         ``(results this rank reports, [RankReport per device it drives], seconds)``: the seconds of
         serving only (building the model and the stages is not counted).
     """
-    model = config.build()
+    model = as_gpt2(config.build())  # the one GPT-2, converted once; every stage copies its own parts
     n_layer = model.config.n_layer
     if strategy in IN_PROCESS:
         engine = Engine.model_parallel(model, list(range(devices if strategy == "mp" else 1)),

@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parallel_lib.common.checks import check_number, positive_int
 from parallel_lib.common.models import build_gpt2
@@ -27,7 +26,7 @@ from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import Mesh, RankMesh
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
-from parallel_lib.tensor_parallel.gpt2 import TensorParallelGPT2, sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 
 __all__ = ["TPConfig", "TPResult", "make_batches", "saved_activation_bytes", "tp_mesh", "tp_worker", "dense_run"]
 
@@ -126,11 +125,9 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
 
 
 def _loss(model: torch.nn.Module, logits: torch.Tensor, batch: dict, denominator: float) -> torch.Tensor:
+    """The model head's weighted loss, rescaled from this rank's weight to the global batch's ``denominator``."""
     weights = batch["label_token_weights"]
-    if isinstance(model, TensorParallelGPT2):
-        return model.loss(logits, batch["labels"], weights) * weights.sum() / denominator
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
-    return (ce * weights.flatten()).sum() / denominator
+    return model.loss(logits, batch["labels"], weights) * weights.sum() / denominator
 
 
 def tp_mesh(world_size: int, tp: int) -> Mesh:
@@ -184,8 +181,9 @@ def _tp_run(pm: RankMesh, config: TPConfig, return_state: bool) -> TPResult:
 def dense_run(config: TPConfig, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the whole global batch: the losses and final parameters the ranks must match.
 
-    The model is this package's forward with one rank (tp = 1): with dropout it draws the
-    same masks as the ranks; without, it equals Hugging Face's GPT-2 (tested separately).
+    The model is the one GPT-2 (:mod:`parallel_lib.models`) split over one rank (tp = 1): with
+    dropout it draws the same masks as the ranks; without, it equals Hugging Face's GPT-2
+    (tests/test_gpt2_model.py).
     """
     model = tensor_parallelize(build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides()),
                                None, dropout_seed=config.seed)

@@ -51,7 +51,7 @@ from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.memory import engine_census
 from parallel_lib.sharding.zero import ZeroEngine
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
-from parallel_lib.tensor_parallel.gpt2 import sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
 from parallel_lib.training.plan import Plan
 
