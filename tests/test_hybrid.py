@@ -195,10 +195,13 @@ def p2p_calls_then_big_exchanges(rank, world_size):
     finally:
         dist.batch_isend_irecv = original
     schedule = make_schedule("1f1b", 2, 2)
-    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"))
+    group = dist.new_group([0, 1])
+    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"),
+                     group=group)
     received = []
     for e in exchange_plan(schedule, rank):
-        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs, lambda m: (BIG,))
+        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs,
+                            lambda m: ((BIG,), torch.float32))
         received += [(m, t[0].item(), t[-1].item()) for m, t in zip(e.recvs, got)]
     return batches, received, link.bytes_sent
 

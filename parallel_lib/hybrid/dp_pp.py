@@ -23,10 +23,12 @@ use; only the hand-overs are messages instead of Python objects::
     B(i): g = recv(from b);         <------  backward(z, grad_z); send(x.grad, to a)
           backward(y, g)
 
-Each stage runs like a stage of ``Pipe``, with the same
+Each rank runs its actions with the loop a stage thread of ``Pipe`` runs
+(:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), with the same
 :class:`~parallel_lib.pipeline_parallel.stage.StageRunner`. Between two actions it sends
 what the last one produced and receives what the next one needs in ONE
-``dist.batch_isend_irecv`` (:class:`~parallel_lib.pipeline_parallel.link.StageLink`): with
+``dist.batch_isend_irecv`` on the replica's pipeline group
+(:class:`~parallel_lib.pipeline_parallel.transports.ProcessLink`): with
 NCCL a large send waits for its receive, and unpaired sends of two neighbours would wait
 for each other forever (:func:`~parallel_lib.pipeline_parallel.link.find_deadlock` shows
 it). No tags: messages between two ranks match in order. Every wait has a timeout and
@@ -50,8 +52,9 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,9 +71,11 @@ from parallel_lib.hybrid.grid import RankGrid, new_groups
 from parallel_lib.hybrid.results import HEAD_COPY, HybridResult
 from parallel_lib.model_parallel.memory import memory_report
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
-from parallel_lib.pipeline_parallel.link import Message, StageLink, exchange_plan, wait_for
-from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
+from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
+from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, make_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.device import rank_device
 
 __all__ = ["HybridConfig", "run_hybrid", "run_hybrid_many"]
@@ -134,79 +139,58 @@ class HybridConfig:
 
 
 class _Stage:
-    """One rank's stage for one step: runs its actions, exchanging tensors with its neighbours [2]."""
+    """One rank's stage: runs its actions each step with the one pipeline runtime, over its pipeline group [2]."""
 
     def __init__(self, module: nn.Module, grid: RankGrid, rank: int, hidden: int, config: HybridConfig,
-                 recorder: TimelineRecorder, device: torch.device) -> None:
+                 recorder: TimelineRecorder, device: torch.device, group: Any) -> None:
         self.config, self.recorder, self.hidden = config, recorder, hidden
         self.rank, (self.d, self.j) = rank, grid.coords(rank)
-        row = grid.pipeline_ranks(self.d)
+        self.row = grid.pipeline_ranks(self.d)
         self.first, self.last = self.j == 0, self.j == grid.pp - 1
         self.lane = f"rank {rank}: replica {self.d}, stage {self.j}"
         self.who = f"rank {rank} (replica {self.d}, stage {self.j})"
         self.runner = StageRunner(module, device, first=self.first)
-        self.link = StageLink(None if self.first else row[self.j - 1], None if self.last else row[self.j + 1],
-                              self.who, config.timeout, device)
+        self.dtype = next(module.parameters()).dtype  # every stage's hidden states: the model's dtype
+        self.link = StageLink(None, None, self.who, config.timeout, device, group=group)
         self.traced = False  # record events during this step
 
     def record(self, kind: str, micro_batch: Optional[int], label: str = "") -> Any:
         return self.recorder.record(self.lane, kind, micro_batch, label) if self.traced else nullcontext()
+
+    def _timed(self, action: Action, compute: Callable[[], Any]) -> Any:
+        with self.record(action.event_kind, action.micro_batch):
+            return compute()
 
     def step(self, schedule: Schedule, ids: Tensor, labels: Tensor, weights: Tensor, denominator: Tensor
              ) -> tuple[float, int]:
         """Forward and backward of one replica batch; returns (loss share on the last stage, peak held)."""
         m = schedule.num_micro_batches
         ids_mb, labels_mb, weights_mb = (torch.tensor_split(t, m) for t in (ids, labels, weights))
-        shape = lambda message: (*ids_mb[message.micro_batch].shape, self.hidden)  # noqa: E731  (rows, T, C)
-        actions = schedule.stages[self.j]
-        exchanges = {e.before: e for e in exchange_plan(schedule, self.j)}  # sends of k-1 + receives of k
-        saved: dict[int, Any] = {}  # i -> what the stage's backward of micro-batch i needs
-        inbox: dict[Message, Tensor] = {}
-        outbox: dict[Message, Tensor] = {}
-        loss, peak, self.link.bytes_sent = 0.0, 0, 0
-        for k in range(len(actions) + 1):
-            if k in exchanges:  # one batch_isend_irecv, waited on with a timeout
-                e = exchanges[k]
-                received = self.link.exchange([(msg, outbox.pop(msg)) for msg in e.sends], e.recvs, shape)
-                inbox.update(zip(e.recvs, received))
-            if k == len(actions):
-                break
-            i = actions[k].micro_batch
-            if actions[k].kind == "F":
-                x = ids_mb[i] if self.first else inbox.pop(Message("activation", i))
-                lm_loss = (lambda logits, i=i: weighted_cross_entropy(logits, labels_mb[i], weights_mb[i],
-                                                                        denominator)) if self.last else None
-                with self.record("forward", i):
-                    saved[i], y = self.runner.forward(x, lm_loss)  # y: hidden states (rows, T, C), or the loss
-                if self.last:
-                    loss += y.item()
-                else:
-                    outbox[Message("activation", i)] = y
-                peak = max(peak, len(saved))
-            else:
-                grad = None if self.last else inbox.pop(Message("gradient", i))
-                with self.record("backward", i):
-                    grad_x = self.runner.backward(saved.pop(i), grad)
-                if not self.first:
-                    outbox[Message("gradient", i)] = grad_x
-        return loss, peak
+        lm_loss = lambda i: partial(weighted_cross_entropy, labels=labels_mb[i], weights=weights_mb[i],  # noqa: E731
+                                    denominator=denominator)
+        spec = lambda message: ((*ids_mb[message.micro_batch].shape, self.hidden), self.dtype)  # noqa: E731  (rows, T, C)
+        stages = RankStages(schedule, self.j, {self.j: self.runner}, ids_mb, loss=lm_loss, timed=self._timed)
+        self.link.bytes_sent = 0
+        run_actions(schedule, self.j, stages, ProcessLink(schedule, self.j, self.link, self.row, spec))
+        return stages.loss_sum(), stages.peak
 
 
 def _stage_of_replica(config: HybridConfig, grid: RankGrid, j: int, device: torch.device
                       ) -> tuple[nn.Module, list[nn.Parameter], dict[int, str], int, Any]:
-    """Stage j of the replica (the other stages' weights are not kept), with what training it needs.
+    """Stage j of the replica, alone on ``device`` (the replica is built on the CPU and cut first), with what
+    training it needs.
 
     Returns:
         The stage module, its copies of the tied embedding, parameter names by id (by the
         unsplit model's names), the hidden width and the collate function and pairs.
     """
-    model, _, pairs, collate = prepare_replica(config.dp_config(), device)
+    model, _, pairs, collate = prepare_replica(config.dp_config(), torch.device("cpu"))
     names = {id(p): name for name, p in model.named_parameters()}
-    stages = gpt2_stages(model, [device] * grid.pp)
-    module = stages[j].to(device)
+    stages = gpt2_stages(model, ["cpu"] * grid.pp)
+    module = stages[j].to(device)  # only this stage's layers reach the device; the others are dropped here
     mine = {id(p) for p in module.parameters()}
     tied = [p for pair in stages.tied_parameters for p in pair if id(p) in mine]
-    return module, tied, names, model.config.n_embd, (pairs, collate)
+    return module, tied, names, model.config.n_embd, (pairs, partial(collate, device=device))
 
 
 def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()) -> HybridResult:
@@ -231,6 +215,8 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
     grid = RankGrid(config.dp, config.pp)
     d, j = grid.coords(rank)
     dp_groups, tied_groups = new_groups(grid, config.timeout)
+    wait = timedelta(seconds=config.timeout)
+    pp_groups = [dist.new_group(grid.pipeline_ranks(r), timeout=wait) for r in range(grid.dp)]  # every rank, every group
     try:
         device = rank_device()
         module, tied, names, hidden, (pairs, collate) = _stage_of_replica(config, grid, j, device)
@@ -238,12 +224,12 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
         optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
         clock = DeviceClock([device])  # this rank's device only
         recorder = TimelineRecorder(partial(synchronize_devices, [device]) if device.type == "cuda" else None)
-        stage = _Stage(module, grid, rank, hidden, config, recorder, device)
+        stage = _Stage(module, grid, rank, hidden, config, recorder, device, pp_groups[d])
         gradients = StageGradients(module, tied, tied_groups[d] if len(tied) == 1 else None, dp_groups[j], grid.dp,
                                    stage.who, config.timeout, stage.record)
         # NCCL: the first p2p call in a group must involve every rank of it; a barrier sets the
         # communicator up first (cheap on gloo)
-        wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: start-up barrier")
+        wait_for(dist.barrier(group=pp_groups[d], async_op=True), config.timeout, f"{stage.who}: start-up barrier")
         schedule = make_schedule(config.schedule, grid.pp, config.micro_batches)
         batches = iter(partition_dataset(d, grid.dp, pairs, batch_size=config.batch_size, collate_fn=collate,
                                          seed=config.data_seed))
@@ -273,7 +259,8 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
                             sum(row.total for row in memory_report(module, optimizer).values()),
                             sum(p.numel() for p in params), peak, state, list(recorder.events))
     finally:  # a later run in the same ranks makes new groups
-        for group in dp_groups + tied_groups:
+        leave_together(pp_groups[d], config.timeout)
+        for group in dp_groups + tied_groups + pp_groups:
             dist.destroy_process_group(group)
 
 

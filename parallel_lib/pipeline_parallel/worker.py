@@ -57,7 +57,7 @@ class Task:
     """
 
     stage: int
-    action: Action
+    action: Optional[Action]  # None: a rank's whole action list (the Pipe's worker runs its loop)
     compute: Callable[[], Any]
     grad_mode: bool
     recorder: Optional[TimelineRecorder] = None
@@ -164,6 +164,15 @@ class Workers:
     def submit(self, task: Task) -> None:
         """Queue ``task`` on its stage's worker (tasks of one stage run in submission order)."""
         self._in_queues[task.stage].put(task)
+
+    def report(self, task: Task) -> None:
+        """Answer ``task`` as done, from inside a longer task (a rank's loop reports each action)."""
+        self._out_queue.put((task, True, None))
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once a task failed or :meth:`cancel` or :meth:`close` ran: the current call is stopping."""
+        return self._cancelled
 
     def answer(self, timeout: float) -> Answer:
         """The next ``(task, ok, result | exc_info | None)`` from any worker (None: cancelled).
