@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Sequence
 
@@ -109,7 +110,16 @@ def _messages(schedule: Schedule, j: int, action: Action, out: bool) -> list[Mes
         other = to if out else s + 1
     if not 0 <= other < len(place) or place[other] == j:
         return []  # no neighbour, or the neighbour stage lives on this rank: no message
+    if (action.kind, other, i) not in _runs(schedule):
+        return []  # the neighbour stage never runs this micro-batch (a generation's finished group)
     return [Message(kind, i, None if one else to)]
+
+
+@lru_cache(maxsize=64)
+def _runs(schedule: Schedule) -> frozenset[tuple[str, int, int]]:
+    """Every (kind, model stage, micro-batch) the schedule runs."""
+    return frozenset((a.kind, schedule.stage_of(j, a), a.micro_batch)
+                     for j, actions in enumerate(schedule.stages) for a in actions)
 
 
 def exchange_plan(schedule: Schedule, j: int, paired: bool = True, sender_order: bool = False) -> list[Exchange]:
