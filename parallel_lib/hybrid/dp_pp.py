@@ -74,7 +74,7 @@ from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, make_schedule
-from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
 from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.device import rank_device
 
@@ -185,11 +185,12 @@ def _stage_of_replica(config: HybridConfig, grid: RankGrid, j: int, device: torc
         unsplit model's names), the hidden width and the collate function and pairs.
     """
     model, _, pairs, collate = prepare_replica(config.dp_config(), torch.device("cpu"))
-    names = {id(p): name for name, p in model.named_parameters()}
+    unsplit = {id(p): name for name, p in model.named_parameters()}
     stages = gpt2_stages(model, ["cpu"] * grid.pp)
-    module = stages[j].to(device)  # only this stage's layers reach the device; the others are dropped here
-    mine = {id(p) for p in module.parameters()}
-    tied = [p for pair in stages.tied_parameters for p in pair if id(p) in mine]
+    tied_ids = {id(p) for pair in stages.tied_parameters for p in pair}
+    module = move_stage(stages[j], device)  # only this stage's layers reach the device; the others are dropped here
+    names = {id(p): unsplit.get(id(p), HEAD_COPY) for p in module.parameters()}
+    tied = [p for p in module.parameters() if id(p) in tied_ids]
     return module, tied, names, model.config.n_embd, (pairs, partial(collate, device=device))
 
 

@@ -43,7 +43,7 @@ from parallel_lib.model_parallel.memory import memory_report
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
-from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
 from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
 from parallel_lib.runtime.device import rank_device
@@ -177,13 +177,13 @@ def _stage_on_device(shard: nn.Module, j: int, pp: int, device: torch.device, ke
     The stage refers to the whole shard (for its config, group and mask); the other stages' blocks
     are freed (moved to the meta device) unless ``keep_shard`` (``return_state`` gathers the whole shard).
     """
-    stage = TensorParallelStage(shard, j, pp).to(device)
+    stage = move_stage(TensorParallelStage(shard, j, pp), device)
     if not keep_shard:
         mine = {id(p) for p in stage.parameters()}
         for module in shard.modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 if id(param) not in mine:
-                    setattr(module, name, nn.Parameter(param.detach().to("meta"), requires_grad=False))
+                    setattr(module, name, nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False))
     return stage
 
 

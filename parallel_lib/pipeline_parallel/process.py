@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallel_lib.common.checks import check_choice
-from parallel_lib.pipeline_parallel.link import Message, StageLink, TensorSpec, wait_for
+from parallel_lib.pipeline_parallel.link import StageLink, wait_for
 from parallel_lib.pipeline_parallel.microbatch import loss_weights, split_layers
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import make_schedule
-from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
 from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import Mesh
@@ -87,7 +87,7 @@ def run_pipeline_rank(rank: int, world_size: int, config: ProcessConfig) -> dict
     names = {id(p): name for name, p in model.named_parameters()}
     place = schedule.placement
     _, layers = split_layers(len(model), ["cpu"] * len(place), "layers")
-    runners = {s: StageRunner(nn.Sequential(*[model[k] for k in layers[s]]).to(device), device, first=s == 0)
+    runners = {s: StageRunner(move_stage(nn.Sequential(*[model[k] for k in layers[s]]), device), device, first=s == 0)
                for s in range(len(place)) if place[s] == rank}  # only this rank's stages reach its device
     m = schedule.num_micro_batches
     xs, ys = x.tensor_split(m), y.tensor_split(m)
