@@ -102,3 +102,45 @@ def mesh_misuse(rank: int, world_size: int) -> list[str]:
     except RuntimeError as error:
         seen.append("destroyed" if "destroyed" in str(error) else str(error))
     return seen
+
+
+def tp_runs_leave_no_groups(rank: int, world_size: int, config) -> tuple[int, int, int]:
+    """Process groups alive before, between and after two tensor-parallel runs in one launch."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from parallel_lib.tensor_parallel import tp_worker
+
+    before = len(c10d._world.pg_map)
+    tp_worker(rank, world_size, config, return_state=False)
+    between = len(c10d._world.pg_map)
+    tp_worker(rank, world_size, config, return_state=False)
+    return before, between, len(c10d._world.pg_map)
+
+
+def lessons_on_a_mesh_axis(rank: int, world_size: int, stages: tuple = (1, 2, 3)) -> dict:
+    """The ring's collectives and ZeRO over the dp axis of a (dp=2, tp=2) mesh: groups {0, 2} and {1, 3}."""
+    from torch import nn
+
+    from parallel_lib.data_parallel.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+    from parallel_lib.runtime.mesh import Mesh
+    from parallel_lib.sharding import ZeroEngine
+
+    out: dict = {}
+    with Mesh(dp=2, tp=2).build(timeout=30) as pm:
+        group = pm.group("dp")
+        x = torch.arange(6.0) + 10 * rank
+        out["all_reduce"] = ring_all_reduce(x, group=group).tolist()
+        shard = torch.empty(2)
+        out["reduce_scatter"] = ring_reduce_scatter(shard, torch.arange(4.0) + 10 * rank, group=group).tolist()
+        out["all_gather"] = ring_all_gather(torch.empty(4), shard, group=group).tolist()
+        data = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        for stage in stages:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+            engine = ZeroEngine(model, stage=stage, group=group, layer_groups=[model[0], model[2]])
+            for _ in range(2):
+                model(data).pow(2).mean().backward()
+                engine.step()
+            engine.remove()
+            out[f"zero{stage}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out

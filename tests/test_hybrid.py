@@ -19,7 +19,6 @@ from parallel_lib.data_parallel import single_process_reference
 from parallel_lib.hybrid import (
     HEAD_COPY,
     HybridConfig,
-    RankGrid,
     compare_with_reference,
     gather_state,
     run_hybrid,
@@ -116,26 +115,6 @@ def test_a_wait_that_never_ends_times_out_naming_the_rank_and_the_peer(launched)
         messages[2].startswith("RuntimeError: rank 2 (replica 1, stage 0): token count of step 1: failed"), messages[2]
     assert messages[3].startswith("TimeoutError: rank 3 (replica 1, stage 1) waiting for the activations of "
                                   "micro-batch 0 from rank 2"), messages[3]
-
-
-def test_rank_grid_is_a_tensor_whose_rows_are_pipelines_and_columns_dp_groups():
-    grid = RankGrid(dp=3, pp=2)
-    torch.testing.assert_close(grid.ranks, torch.tensor([[0, 1], [2, 3], [4, 5]]))
-    assert [grid.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    assert grid.pipeline_ranks(1) == [2, 3] and grid.dp_ranks(1) == [1, 3, 5]
-    assert grid.tied_ranks(2) == [4, 5] and RankGrid(2, 1).tied_ranks(1) == [1]
-    assert str(RankGrid(2, 2)).splitlines()[1].split() == ["replica", "0", "rank", "0", "rank", "1"]
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dp=0), "dp must be an int >= 1, got dp=0"),
-    (dict(pp=1.5), "pp must be an int >= 1"),
-])
-def test_rank_grid_rejects_bad_sizes(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RankGrid(**{"dp": 1, "pp": 1, **kwargs})
-    with pytest.raises(ValueError, match="rank must be in"):
-        RankGrid(2, 2).coords(4)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -267,7 +246,7 @@ def test_a_stage_rank_moves_and_keeps_only_its_stage():
     for j in range(2):
         host_before = live_parameters("cpu")
         with Moved() as moved:
-            module, tied, _, _, _ = _stage_of_replica(config, RankGrid(1, 2), j, torch.device("meta"))
+            module, tied, _, _, _ = _stage_of_replica(config, j, torch.device("meta"))
         held = sum(t.numel() for t in [*module.parameters(), *module.buffers()])
         assert moved.numel == held, j  # the device got the stage's tensors, nothing more
         assert live_parameters("cpu") == host_before, j  # and the host kept nothing of the other stage

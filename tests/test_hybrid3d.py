@@ -15,7 +15,6 @@ import torch
 
 from parallel_lib.hybrid.cost3d import expected_traffic, stage_parameters, stage_tensors, state_bytes, wire_bytes
 from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d_many
-from parallel_lib.hybrid.grid3d import Grid3D
 from parallel_lib.hybrid.layout3d import job_step_times, max_difference, measure_layout, reference_3d, summarize_layout
 from parallel_lib.runtime import launch
 from parallel_lib.runtime.collectives import ring_wire_bytes
@@ -39,31 +38,6 @@ SHAPE = GPTShape(4, 32, 4, 64, 128)  # tiny's 4 heads and 128 positions, narrowe
 def launched() -> dict[str, list]:
     per_rank = launch(run_3d_many, 8, list(CONFIGS.values()), threads_per_rank=1, timeout=300, startup_timeout=300)
     return {name: [results[k] for results in per_rank] for k, name in enumerate(CONFIGS)}
-
-
-def test_every_group_is_a_slice_and_tp_groups_are_neighbours():
-    grid = Grid3D(dp=2, tp=2, pp=2)
-    groups = grid.groups()
-    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbouring ranks: one node's fast links
-    assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert groups["tied"] == groups["pp"]  # two stages: first and last are the whole pipeline
-    megatron = Grid3D(dp=2, tp=2, pp=2, order="tp-dp-pp").groups()
-    assert megatron["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and megatron["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    for g in (grid, Grid3D(3, 2, 4), Grid3D(2, 4, 1, "tp-dp-pp")):
-        for kind in ("tp", "pp", "dp"):  # each kind partitions the ranks
-            assert sorted(r for ranks in g.groups()[kind] for r in ranks) == list(range(g.world_size))
-        for rank in range(g.world_size):
-            d, j, t = g.coords(rank)
-            assert g.ranks[d, j, t] == rank and rank in g.tp_ranks(d, j) and rank in g.dp_ranks(j, t)
-    assert "stage 1 [6 7]" in str(grid)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dp=0, tp=1, pp=1), "dp"), (dict(dp=1, tp=2, pp=1, order="pp-tp-dp"), "order")])
-def test_a_bad_grid_is_refused(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Grid3D(**kwargs)
 
 
 @pytest.mark.parametrize("change, match", [

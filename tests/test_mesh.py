@@ -66,7 +66,8 @@ def test_flattened_axes_and_of_world():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: Mesh(dp=0), "dp"),
+    (lambda: Mesh(dp=0), "dp must be an int >= 1, got dp=0"),
+    (lambda: Mesh(pp=1.5), "pp must be an int >= 1"),
     (lambda: Mesh(tp=2, order="pp-dp"), "order"),
     (lambda: Mesh(order="tp-tp-dp"), "order"),
     (lambda: Mesh(order="tp-xx"), "order"),
@@ -105,3 +106,28 @@ def test_built_groups_reduce_over_their_slice_and_are_destroyed_on_exit():
 def test_a_group_asked_after_the_block_or_never_built_raises():
     results = launch(_workers.mesh_misuse, 2, timeout=60, startup_timeout=60)
     assert results[0] == ["no group along", "only when pp > 1", "destroyed"]
+
+
+def test_the_ring_and_zero_run_over_a_mesh_axis_not_the_world():
+    """dp groups {0, 2} and {1, 3} of a (dp=2, tp=2) mesh: each sums and shards within itself only."""
+    from torch import nn
+
+    results = launch(_workers.lessons_on_a_mesh_axis, 4, timeout=180, startup_timeout=120)
+    for rank, r in enumerate(results):
+        peers = Mesh(dp=2, tp=2).peers("dp", rank)
+        assert r["all_reduce"] == [sum(k + 10 * p for p in peers) for k in range(6)]
+        mine = peers.index(rank)  # rank's chunk of the group's sum
+        assert r["reduce_scatter"] == [sum(k + 10 * p for p in peers) for k in (2 * mine, 2 * mine + 1)]
+        assert r["all_gather"] == [sum(k + 10 * p for p in peers) for k in range(4)]
+        # one process: AdamW (ZeroEngine's defaults) on the mean of the group's two losses
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(p)) for p in peers]
+        for _ in range(2):
+            optimizer.zero_grad()
+            (sum(model(d).pow(2).mean() for d in data) / 2).backward()
+            optimizer.step()
+        for stage in (1, 2, 3):
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(r[f"zero{stage}"][name], p.detach(), msg=f"rank {rank} zero{stage} {name}")

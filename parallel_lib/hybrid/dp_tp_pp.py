@@ -1,6 +1,6 @@
 """DP × TP × PP: replicas of a pipeline whose stages are split by heads, on ``dp·tp·pp`` ranks.
 
-Rank ``grid.ranks[d, j, t]`` (:class:`~parallel_lib.hybrid.grid3d.Grid3D`) holds slice t
+Rank ``mesh.rank_at(dp=d, pp=j, tp=t)`` (:class:`~parallel_lib.runtime.mesh.Mesh`) holds slice t
 of stage j of replica d (:class:`~parallel_lib.hybrid.tp_stages.TensorParallelStage`). A
 training step on it:
 
@@ -24,7 +24,6 @@ from the tensors (:func:`~parallel_lib.model_parallel.memory.memory_report`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
@@ -37,7 +36,6 @@ from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.hybrid.gradients import StageGradients
-from parallel_lib.hybrid.grid3d import Grid3D, new_groups_3d
 from parallel_lib.hybrid.tp_stages import TensorParallelStage, dense_state, stage_loss
 from parallel_lib.model_parallel.memory import memory_report
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
@@ -47,6 +45,7 @@ from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
 from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
 from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.mesh import Mesh, RankMesh
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
 
@@ -74,19 +73,19 @@ class Config3D:
     steps: int = 2
     seed: int = 0
     timeout: float = 60.0           # seconds any one receive or collective may wait
-    order: str = "tp-pp-dp"         # the grid's axis order, fastest first
+    order: str = "tp-pp-dp"         # the mesh's axis order, fastest first ("tp-dp-pp": Megatron-LM's)
     return_state: bool = False      # gather the trained parameters (dense names) on slice 0 of each stage
 
     @property
-    def grid(self) -> Grid3D:
-        return Grid3D(self.dp, self.tp, self.pp, self.order)
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, order=self.order)
 
     def check(self, world_size: Optional[int] = None) -> None:
         """Raise ValueError, naming the field, for a run that cannot work (before any rank starts)."""
-        grid = self.grid
-        if world_size is not None and world_size != grid.world_size:
+        mesh = self.mesh
+        if world_size is not None and world_size != mesh.world_size:
             raise ValueError(f"dp * tp * pp must equal world_size={world_size}, got {self.dp} x {self.tp} x "
-                             f"{self.pp} = {grid.world_size}")
+                             f"{self.pp} = {mesh.world_size}")
         check_choice("model", self.model, sorted(GPT2_SIZES))
         check_choice("schedule", self.schedule, sorted(SCHEDULES))
         check_choice("optimizer", self.optimizer, ["adamw", "sgd"])
@@ -141,13 +140,12 @@ class Result3D:
         return self.record.step_times
 
 
-def _by_group(counter: CollectiveCounter, grid: Grid3D, coords: tuple[int, int, int]
+def _by_group(counter: CollectiveCounter, pm: RankMesh
               ) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, float]]:
     """Sort one step's calls by the group they ran in: a group is known by its ranks."""
-    d, j, t = coords
-    kinds = {tuple(grid.tp_ranks(d, j)): "tp", tuple(grid.dp_ranks(j, t)): "dp"}
-    if grid.pp > 1:
-        kinds[tuple(grid.tied_ranks(d, t))] = "tied"
+    kinds = {tuple(pm.peers("tp")): "tp", tuple(pm.peers("dp")): "dp"}
+    if pm.size("pp") > 1:
+        kinds[tuple(pm.peers("tied"))] = "tied"
     traffic: dict[str, dict[str, tuple[int, int]]] = {"tp": {}, "pp": {}, "dp": {}, "tied": {}}
     wire = dict.fromkeys(traffic, 0.0)
     for call in counter.calls:
@@ -188,7 +186,7 @@ def _stage_on_device(shard: nn.Module, j: int, pp: int, device: torch.device, ke
 
 
 def run_3d(rank: int, world_size: int, config: Config3D = Config3D()) -> Result3D:
-    """Train slice t of stage j of replica d, for ``grid.ranks[d, j, t] == rank``; the worker for ``launch``.
+    """Train slice t of stage j of replica d, ``config.mesh.rank_at(dp=d, pp=j, tp=t)``; the worker for ``launch``.
 
     Raises:
         ValueError: a config that does not fit ``world_size`` or the model (named in the message).
@@ -197,49 +195,49 @@ def run_3d(rank: int, world_size: int, config: Config3D = Config3D()) -> Result3
     """
     require_process_group("run_3d")
     config.check(world_size)
-    grid = config.grid
-    d, j, t = coords = grid.coords(rank)
-    who = f"rank {rank} (replica {d}, stage {j}, slice {t})"
-    groups = new_groups_3d(grid, rank, config.timeout)
-    wait = timedelta(seconds=config.timeout)
-    pp_groups = {tuple(r): dist.new_group(r, timeout=wait) for r in grid.groups()["pp"]}  # every rank, every group
-    pp_group = pp_groups[tuple(grid.pp_ranks(d, t))]
-    try:
-        device = rank_device()
-        dense = build_gpt2(config.model, config.vocab_size, config.seed, **model_overrides(config))
-        stage = _stage_on_device(tensor_parallelize(dense, groups.tp, dropout_seed=config.seed), j, grid.pp, device,
-                                 keep_shard=config.return_state)
-        del dense
-        stage.train()
-        params = list(stage.parameters())
-        optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
-        runner = StageRunner(stage, device, first=stage.first)
-        pipeline = grid.pp_ranks(d, t)
-        link = StageLink(None, None, who, config.timeout, device, group=pp_group)
-        gradients = StageGradients(stage, stage.tied, groups.tied, groups.dp, grid.dp, who, config.timeout)
-        wait_for(dist.barrier(group=pp_group, async_op=True), config.timeout, f"{who}: start-up barrier")
-        schedule = make_schedule(config.schedule, grid.pp, config.micro_batches)
-        record, clock = TrainRecord(), DeviceClock([device])
-        for step, batch in enumerate(batches_3d(config)):
-            denominator = float(batch["label_token_weights"].sum()) / grid.dp  # the dp mean divides by dp again
-            mine = {k: v.chunk(grid.dp)[d].to(device) for k, v in batch.items()}  # [1]
-            start = clock()
-            with count_collectives() as counter:
-                optimizer.zero_grad(set_to_none=True)
-                loss = _step(stage, runner, link, pipeline, schedule, j, mine, denominator, config.recompute)  # [2]
-                gradients.synchronize()  # [3]
-                optimizer.step()  # [4]
-            record.append(loss / grid.dp if stage.last else float("nan"),
-                          int(batch["label_token_weights"].sum()), clock() - start)
-        traffic, wire = _by_group(counter, grid, coords)
-        state = dense_state(stage, grid.pp, gather_dense(stage.model)) if config.return_state else {}
-        return Result3D(rank, coords, config, record, traffic, wire,
-                        sum(row.total for row in memory_report(nn.Sequential(stage), optimizer).values()),
-                        sum(p.numel() for p in params), list(stage.blocks_index), state if t == 0 else {})
-    finally:  # a later run in the same ranks makes new groups
-        leave_together(pp_group, config.timeout)
-        for group in groups.made + list(pp_groups.values()):
-            dist.destroy_process_group(group)
+    with config.mesh.build(config.timeout) as pm:  # every group, made once; destroyed when the run ends
+        try:
+            return _run_3d(pm, config)
+        finally:
+            leave_together(pm.group("pp"), config.timeout)
+
+
+def _run_3d(pm: RankMesh, config: Config3D) -> Result3D:
+    d, j, t = coords = pm.index("dp"), pm.index("pp"), pm.index("tp")
+    dp, pp = pm.size("dp"), pm.size("pp")
+    who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
+    device = rank_device()
+    dense = build_gpt2(config.model, config.vocab_size, config.seed, **model_overrides(config))
+    stage = _stage_on_device(tensor_parallelize(dense, pm.group("tp"), dropout_seed=config.seed), j, pp, device,
+                             keep_shard=config.return_state)
+    del dense
+    stage.train()
+    params = list(stage.parameters())
+    optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
+    runner = StageRunner(stage, device, first=stage.first)
+    pipeline = pm.peers("pp")
+    link = StageLink(None, None, who, config.timeout, device, group=pm.group("pp"))
+    gradients = StageGradients(stage, stage.tied, pm.group("tied") if pp > 1 else None, pm.group("dp"), dp, who,
+                               config.timeout)
+    wait_for(dist.barrier(group=pm.group("pp"), async_op=True), config.timeout, f"{who}: start-up barrier")
+    schedule = make_schedule(config.schedule, pp, config.micro_batches)
+    record, clock = TrainRecord(), DeviceClock([device])
+    for step, batch in enumerate(batches_3d(config)):
+        denominator = float(batch["label_token_weights"].sum()) / dp  # the dp mean divides by dp again
+        mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [1]
+        start = clock()
+        with count_collectives() as counter:
+            optimizer.zero_grad(set_to_none=True)
+            loss = _step(stage, runner, link, pipeline, schedule, j, mine, denominator, config.recompute)  # [2]
+            gradients.synchronize()  # [3]
+            optimizer.step()  # [4]
+        record.append(loss / dp if stage.last else float("nan"), int(batch["label_token_weights"].sum()),
+                      clock() - start)
+    traffic, wire = _by_group(counter, pm)
+    state = dense_state(stage, pp, gather_dense(stage.model)) if config.return_state else {}
+    return Result3D(pm.rank, coords, config, record, traffic, wire,
+                    sum(row.total for row in memory_report(nn.Sequential(stage), optimizer).values()),
+                    sum(p.numel() for p in params), list(stage.blocks_index), state if t == 0 else {})
 
 
 def run_3d_many(rank: int, world_size: int, configs: Sequence[Config3D]) -> list[Result3D]:

@@ -128,6 +128,11 @@ class Mesh:
         return n
 
     @property
+    def short_order(self) -> str:
+        """``order`` without the axes of size 1 (they change no rank's place), e.g. ``"tp-pp-dp"``."""
+        return "-".join(a for a in self.order.split("-") if getattr(self, a) > 1) or "dp"
+
+    @property
     def sizes(self) -> dict[str, int]:
         """Every axis's size, in :data:`AXES` order."""
         return {a: getattr(self, a) for a in AXES}
@@ -188,7 +193,7 @@ class Mesh:
     def __str__(self) -> str:
         used = [a for a in AXES if getattr(self, a) > 1] or ["dp"]
         head = " x ".join(f"{a}={getattr(self, a)}" for a in used)
-        lines = [f"{head} = {self.world_size} ranks, order {self.order}"]
+        lines = [f"{head} = {self.world_size} ranks, order {self.short_order}"]
         width = len(str(self.world_size - 1))
         inner = [a for a in used if a not in ("dp", "pp")]  # shown inside one stage's brackets
         for d in range(self.dp):

@@ -47,7 +47,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 class ZeroEngine:
-    """Shard a model's training state over the ranks of the default group (ZeRO stage 0-3).
+    """Shard a model's training state over the ranks of ``group`` (ZeRO stage 0-3).
 
     Args:
         model: the replica, the same on every rank (same seed); its trainable parameters are
@@ -62,6 +62,7 @@ class ZeroEngine:
         layer_groups: stage 3's layer groups (default: the children of the model's largest
             ``nn.ModuleList``, GPT-2's blocks); the remaining parameters form one more group.
         recorder: stage 3: record "comm" events (all-gathers, reduce-scatters) on lane "rank R".
+        group: the data-parallel ranks to shard over (a mesh's ``pm.group("dp")``); None: every rank.
 
     Raises:
         RuntimeError: no initialised process group.
@@ -73,14 +74,14 @@ class ZeroEngine:
                  eps: float = 1e-8, weight_decay: float = 0.01, precision: str = "fp32", collectives: str = "torch",
                  bucket_cap_mb: float = 25.0, prefetch: bool = False,
                  layer_groups: Optional[Sequence[nn.Module]] = None,
-                 recorder: Optional[TimelineRecorder] = None) -> None:
+                 recorder: Optional[TimelineRecorder] = None, group: Any = None) -> None:
         require_process_group("ZeroEngine")
         self.stage = check_choice("stage", stage, STAGES)
         self.precision = check_choice("precision", precision, PRECISIONS)
         self.collectives = check_choice("collectives", collectives, COLLECTIVES)
         positive_number("bucket_cap_mb", bucket_cap_mb)
-        self.model, self.recorder = model, recorder
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.model, self.recorder, self.group = model, recorder, group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         for name, p in model.named_parameters():
             p._zero_name = name  # type: ignore[attr-defined]  # for error messages
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -159,19 +160,19 @@ class ZeroEngine:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """[3] SUM of ``input`` over ranks, this rank's chunk into ``output``."""
         if self.collectives == "ring":
-            ring_reduce_scatter(output, input)
+            ring_reduce_scatter(output, input, group=self.group)
             return None
         # torch >= 2.10 names it reduce_scatter_single and deprecates the old name
         collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return collective(output, input, async_op=async_op)
+        return collective(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """[3] Every rank's ``input`` into ``output``, in rank order."""
         if self.collectives == "ring":
-            ring_all_gather(output, input)
+            ring_all_gather(output, input, group=self.group)
             return None
         collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return collective(output, input, async_op=async_op)
+        return collective(output, input, group=self.group, async_op=async_op)
 
     def _timed(self, label: str, fn: Callable[[], Any]) -> Any:
         if self.recorder is None:
@@ -214,7 +215,7 @@ class ZeroEngine:
             for group, buffer in zip(self.groups, self.grad_full):
                 self._adopt_grads(group, buffer)
                 if self.stage == 0:
-                    self._timed(f"AR {group.name}", lambda: dist.all_reduce(buffer))
+                    self._timed(f"AR {group.name}", lambda: dist.all_reduce(buffer, group=self.group))
                 else:  # the ring's first half: this rank's chunk summed, kept in place
                     shard = torch.empty(group.shard_numel, dtype=buffer.dtype, device=buffer.device)
                     self._timed(f"RS {group.name}", lambda: self.reduce_scatter(shard, buffer))

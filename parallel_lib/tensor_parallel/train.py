@@ -3,9 +3,11 @@
 :func:`tp_worker` is what each rank runs (from ``launch``, ``torchrun`` or the CLI): it
 builds the same dense model on every rank, keeps its shard, trains ``steps`` steps with
 AdamW on the same synthetic batches as :func:`dense_run`, counts every collective of each
-step and measures the activation bytes saved for backward. Ranks form a (dp, tp) grid:
-global rank = d·tp + t, so a tensor-parallel group is a run of neighbouring ranks
-(one node, in a real cluster) and a data-parallel group takes one rank from each.
+step and measures the activation bytes saved for backward. Ranks form a (dp, tp)
+:class:`~parallel_lib.runtime.mesh.Mesh`: global rank = d·tp + t, so a tensor-parallel group
+is a run of neighbouring ranks (one node, in a real cluster) and a data-parallel group takes
+one rank from each. The mesh destroys its groups when the run ends, so many runs in one
+launch leave no communicators behind.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.mesh import Mesh, RankMesh
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.gpt2 import TensorParallelGPT2, sync_sequence_parallel_grads
 
-__all__ = ["TPConfig", "TPResult", "make_batches", "saved_activation_bytes", "tp_groups", "tp_worker", "dense_run"]
+__all__ = ["TPConfig", "TPResult", "make_batches", "saved_activation_bytes", "tp_mesh", "tp_worker", "dense_run"]
 
 
 @dataclass(frozen=True)
@@ -107,22 +110,6 @@ def saved_activation_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
     return out, sum(seen.values())
 
 
-def tp_groups(world_size: int, tp: int) -> tuple[Any, Any, int, int]:
-    """``(tp_group, dp_group, tp_size, dp_size)`` of this rank in the (dp, tp) grid (a collective)."""
-    tp = tp or world_size
-    if world_size % tp:
-        raise ValueError(f"tp={tp} must divide world_size={world_size}")
-    dp, rank = world_size // tp, dist.get_rank()
-    tp_group = dp_group = None
-    for d in range(dp):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
-        tp_group = group if rank // tp == d else tp_group
-    for t in range(tp):
-        group = dist.new_group(list(range(t, world_size, tp)))
-        dp_group = group if rank % tp == t else dp_group
-    return tp_group, dp_group, tp, dp
-
-
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, denominator: float,
           dp_group: Any, dp: int) -> tuple[torch.Tensor, int]:
     """One AdamW step; returns the loss and the activation bytes its forward saved for backward."""
@@ -146,13 +133,27 @@ def _loss(model: torch.nn.Module, logits: torch.Tensor, batch: dict, denominator
     return (ce * weights.flatten()).sum() / denominator
 
 
+def tp_mesh(world_size: int, tp: int) -> Mesh:
+    """The (dp, tp) mesh of a run: ``tp`` ranks per group (0: all of them), the rest data parallel.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``world_size``.
+    """
+    return Mesh.of_world(world_size, tp=tp or world_size)
+
+
 def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool = True) -> TPResult:
     """One rank of a tensor-parallel (× data-parallel) run: the module docstring says what it does."""
     positive_int("steps", config.steps)
     check_number("dropout", config.dropout, 0.0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    tp_group, dp_group, tp, dp = tp_groups(world_size, config.tp)
-    d = dist.get_rank() // tp
+    with tp_mesh(world_size, config.tp).build() as pm:  # its groups are destroyed when the run ends
+        return _tp_run(pm, config, return_state)
+
+
+def _tp_run(pm: RankMesh, config: TPConfig, return_state: bool) -> TPResult:
+    tp_group, dp_group, tp, dp = pm.group("tp"), pm.group("dp"), pm.size("tp"), pm.size("dp")
+    rank, d = pm.rank, pm.index("dp")
     dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())
     device = rank_device()  # this rank's GPU under NCCL, else the CPU
     model = tensor_parallelize(dense, tp_group, config.sequence_parallel, dropout_seed=config.seed).to(device)
