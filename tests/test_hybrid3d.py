@@ -128,7 +128,8 @@ def _stage_census(rank: int, world_size: int) -> dict:
             stage = _stage_on_device(shard, rank, world_size, torch.device("meta"), keep_shard=False)
         del shard
         return dict(losses=(freed.record.losses, kept.record.losses), state_bytes=(freed.state_bytes, kept.state_bytes),
-                    whole=whole, moved=moved.numel, held=sum(t.numel() for t in [*stage.parameters(), *stage.buffers()]),
+                    whole=whole, moved=moved.numel,
+                    held=sum(t.numel() for t in [*stage.parameters(), *stage.buffers()]),
                     host_left=live_parameters("cpu") - host_before)
     finally:
         for group in groups:

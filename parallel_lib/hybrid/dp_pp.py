@@ -172,7 +172,8 @@ class _Stage:
         ids_mb, labels_mb, weights_mb = (torch.tensor_split(t, m) for t in (ids, labels, weights))
         lm_loss = lambda i: partial(weighted_cross_entropy, labels=labels_mb[i], weights=weights_mb[i],  # noqa: E731
                                     denominator=denominator)
-        spec = lambda message: ((*ids_mb[message.micro_batch].shape, self.hidden), self.dtype)  # noqa: E731  (rows, T, C)
+        # (rows, T, C) in the model's dtype, as the sending stage makes it
+        spec = lambda message: ((*ids_mb[message.micro_batch].shape, self.hidden), self.dtype)  # noqa: E731
         stages = RankStages(schedule, self.j, {self.j: self.runner}, ids_mb, loss=lm_loss, timed=self._timed)
         self.link.bytes_sent = 0
         run_actions(schedule, self.j, stages, ProcessLink(schedule, self.j, self.link, self.row, spec))

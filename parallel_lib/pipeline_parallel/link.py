@@ -182,12 +182,14 @@ def round_plans(schedule: Schedule) -> list[list[Exchange]]:
     p = schedule.num_stages
     position, done = [0] * p, set()
     plans: list[list[Exchange]] = [[] for _ in range(p)]
-    while any(position[j] < len(schedule.stages[j]) for j in range(p)):
-        ran = [(j, schedule.stages[j][position[j]]) for j in range(p)
-               if position[j] < len(schedule.stages[j]) and action_ready(schedule, j, schedule.stages[j][position[j]], done)]
+    while True:
+        nexts = {j: schedule.stages[j][position[j]] for j in range(p) if position[j] < len(schedule.stages[j])}
+        if not nexts:
+            return plans
+        ran = [(j, action) for j, action in nexts.items() if action_ready(schedule, j, action, done)]
         if not ran:
-            raise ValueError(f"schedule {schedule.name!r} stalls: no rank can run its next action "
-                             f"({', '.join(f'rank {j}: {schedule.stages[j][position[j]]}' for j in range(p) if position[j] < len(schedule.stages[j]))})")
+            waiting = ", ".join(f"rank {j}: {action}" for j, action in nexts.items())
+            raise ValueError(f"schedule {schedule.name!r} stalls: no rank can run its next action ({waiting})")
         sent: list[tuple[int, Message]] = []
         for j, action in ran:
             position[j] += 1
@@ -198,7 +200,6 @@ def round_plans(schedule: Schedule) -> list[list[Exchange]]:
             recvs = [m for src, m in sent if m.ranks(schedule, src, sending=True)[1] == j]
             if sends or recvs:
                 plans[j].append(Exchange(position[j], sends, recvs))
-    return plans
 
 
 def plan_exchanges(schedule: Schedule) -> list[list[Exchange]]:

@@ -87,7 +87,8 @@ class ThreadLink:
 
 
 class ProcessLink:
-    """A rank (process) of a pipeline: its plan's exchanges over a :class:`~parallel_lib.pipeline_parallel.link.StageLink`.
+    """A rank (process) of a pipeline: its plan's exchanges over a
+    :class:`~parallel_lib.pipeline_parallel.link.StageLink`.
 
     Args:
         schedule: the step's schedule (the same on every rank).
