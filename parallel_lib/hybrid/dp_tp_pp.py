@@ -162,7 +162,9 @@ def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, pipe
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
     dtype = next(stage.parameters()).dtype  # the hidden states every stage sends: the model's dtype
-    spec = lambda message: ((*ids[message.micro_batch].shape, stage.model.config.n_embd), dtype)  # noqa: E731
+    parts = stage.model.tp if stage.model.sequence_parallel else 1  # a stage hands on 1/tp of the sequence
+    spec = lambda message: ((len(ids[message.micro_batch]), ids[0].shape[1] // parts,  # noqa: E731
+                             stage.model.config.n_embd), dtype)
     loss = (lambda i: stage_loss(stage, labels[i], weights[i], denominator)) if stage.last else None
     stages = RankStages(schedule, j, {j: runner}, ids, loss=loss, recompute=lambda i: recompute)
     run_actions(schedule, j, stages, ProcessLink(schedule, j, link, pipeline, spec))

@@ -55,9 +55,6 @@ class TensorParallelStage(nn.Module):
 
     def __init__(self, model: TensorParallelGPT2, j: int, pp: int) -> None:
         super().__init__()
-        if model.sequence_parallel:
-            raise ValueError("a pipeline stage of a sequence-parallel model is not supported: pass "
-                             "sequence_parallel=False to tensor_parallelize")
         self.first, self.last = j == 0, j == pp - 1
         self.blocks_index = stage_blocks(len(model.h), pp)[j]
         self.h = nn.ModuleList(model.h[k] for k in self.blocks_index)
@@ -80,18 +77,27 @@ class TensorParallelStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = self.model
+        # sequence parallelism: the residual stream between blocks, and so between stages, is
+        # this rank's 1/tp of the sequence, (b, s/tp, h); the embedding reduce-scatters into it
+        parts, index = (model.tp, model.rank) if model.sequence_parallel else (1, 0)
         if self.first:
+            if x.shape[1] % parts:
+                raise ValueError(f"sequence parallelism needs a sequence length divisible by tp={parts}, "
+                                 f"got {x.shape[1]}")
             with R.region_label("embedding"):
-                positions = torch.arange(x.shape[1], device=x.device)
+                local = x.shape[1] // parts
+                positions = torch.arange(index * local, (index + 1) * local, device=x.device)
                 x = self.wte(x) + self.wpe(positions)
         # causal only: the batches are right-padded, so a real token never sees padding, and
         # padded positions carry zero loss weight
-        mask_bias = model._mask_bias(x.shape[1], None, x.dtype, x.device)
+        mask_bias = model._mask_bias(x.shape[1] * parts, None, x.dtype, x.device)
         for block in self.h:
             x = block(x, mask_bias, model)
         if self.last:
             with R.region_label("head"):
-                x = R.copy_to_tensor_parallel_region(self.ln_f(x), model.group)
+                x = self.ln_f(x)
+                x = (R.gather_from_sequence_parallel_region(x, model.group) if model.sequence_parallel
+                     else R.copy_to_tensor_parallel_region(x, model.group))
                 x = F.linear(x, self.head)  # (b, s, V/t): my vocabulary slice's logits
         return x
 

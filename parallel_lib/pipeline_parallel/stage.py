@@ -76,13 +76,18 @@ def move_stage(module: nn.Module, device: torch.device) -> nn.Module:
     A list that holds a stage's parameters (its tied copies, an optimizer) stays valid whatever the
     devices: a plain ``Module.to`` makes new parameter objects when the tensor types differ (onto
     the meta device, for instance), and the old ones would stay alive where the list keeps them.
+    Attributes set on a parameter (tensor parallelism's ``sequence_parallel`` mark) are kept too.
     """
+    marks = {id(p): dict(p.__dict__) for p in module.parameters()}  # e.g. ``sequence_parallel``: a swap drops them
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        return module.to(device)
+        module.to(device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+    for p in module.parameters():
+        p.__dict__.update(marks.get(id(p), {}))
+    return module
 
 
 class _Cut(torch.autograd.Function):

@@ -63,6 +63,10 @@ class ZeroEngine:
             ``nn.ModuleList``, GPT-2's blocks); the remaining parameters form one more group.
         recorder: stage 3: record "comm" events (all-gathers, reduce-scatters) on lane "rank R".
         group: the data-parallel ranks to shard over (a mesh's ``pm.group("dp")``); None: every rank.
+        separate: parameters that each get a flat group of their own, so that this rank's shard of
+            their gradient covers the same elements on every model that shares them (a pipeline's
+            tied embedding: its copies on the first and last stage are summed shard by shard,
+            :meth:`reduced_gradient`).
 
     Raises:
         RuntimeError: no initialised process group.
@@ -74,7 +78,8 @@ class ZeroEngine:
                  eps: float = 1e-8, weight_decay: float = 0.01, precision: str = "fp32", collectives: str = "torch",
                  bucket_cap_mb: float = 25.0, prefetch: bool = False,
                  layer_groups: Optional[Sequence[nn.Module]] = None,
-                 recorder: Optional[TimelineRecorder] = None, group: Any = None) -> None:
+                 recorder: Optional[TimelineRecorder] = None, group: Any = None,
+                 separate: Sequence[nn.Parameter] = ()) -> None:
         require_process_group("ZeroEngine")
         self.stage = check_choice("stage", stage, STAGES)
         self.precision = check_choice("precision", precision, PRECISIONS)
@@ -92,18 +97,26 @@ class ZeroEngine:
         self.steps = 0
         self._reduced = False
         self._model_params = {id(p) for p in model.parameters()}
+        alone = [p for p in separate if p.requires_grad]
+        if {id(p) for p in alone} - {id(p) for p in trainable}:
+            raise ValueError("separate must hold parameters of the model (trainable ones)")
+        self._separate = {id(p) for p in alone}
+        trainable_rest = [p for p in trainable if id(p) not in self._separate]
         if stage == 3:
             layers = list(layer_groups) if layer_groups is not None else layer_modules(model)
-            in_layers = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+            in_layers = [[p for p in layer.parameters() if p.requires_grad and id(p) not in self._separate]
+                         for layer in layers]
             seen = {id(p) for ps in in_layers for p in ps}
-            outer = [p for p in trainable if id(p) not in seen]
-            owners: list[Optional[nn.Module]] = ([None] if outer else []) + [m for m, ps in zip(layers, in_layers)
-                                                                              if ps]
-            param_lists = ([outer] if outer else []) + [ps for ps in in_layers if ps]
-            names = (["outer"] if outer else []) + [f"layer {i}" for i, ps in enumerate(in_layers) if ps]
+            outer = [p for p in trainable_rest if id(p) not in seen]
+            owners: list[Optional[nn.Module]] = ([None] * len(alone) + ([None] if outer else [])
+                                                 + [m for m, ps in zip(layers, in_layers) if ps])
+            param_lists = [[p] for p in alone] + ([outer] if outer else []) + [ps for ps in in_layers if ps]
+            names = ([f"{p._zero_name}" for p in alone] + (["outer"] if outer else [])  # type: ignore[attr-defined]
+                     + [f"layer {i}" for i, ps in enumerate(in_layers) if ps])
         else:  # reverse order: roughly the order in which backward produces the gradients
-            param_lists = make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20))
-            names = [f"bucket {i}" for i in range(len(param_lists))]
+            param_lists = [[p] for p in alone] + make_buckets(trainable_rest[::-1], int(bucket_cap_mb * 2**20))
+            names = [f"{p._zero_name}" for p in alone] + [  # type: ignore[attr-defined]
+                f"bucket {i}" for i in range(len(param_lists) - len(alone))]
         self.groups = [FlatParamGroup(ps, self.world_size, self.rank, name) for ps, name in zip(param_lists, names)]
         if stage == 3:  # the shard becomes the parameters' only persistent storage
             for g in self.groups:
@@ -231,6 +244,29 @@ class ZeroEngine:
             shard.div_(self.world_size)
             self.grad_shards[i] = shard if self.grad_shards[i] is None else self.grad_shards[i].add_(shard)
         self._pending.clear()
+
+    def reduced_gradient(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's part of ``param``'s mean gradient, after :meth:`reduce_gradients` (a view: edit in place).
+
+        The whole gradient at stage 0, this rank's shard of it at stages 1-3. ``param`` must have
+        been given in ``separate``, so that the shard is the same slice of it on every rank's
+        copy (sum a pipeline's tied copies with one all-reduce of this tensor).
+
+        Raises:
+            ValueError: ``param`` was not given in ``separate``.
+            RuntimeError: called before :meth:`reduce_gradients`.
+        """
+        if id(param) not in self._separate:
+            raise ValueError("reduced_gradient needs a parameter given in ZeroEngine(..., separate=[...])")
+        i = self._group_of[id(param)]
+        if not self._reduced:
+            raise RuntimeError("call reduce_gradients() first: before it the gradient is not reduced")
+        group = self.groups[i]
+        if self.stage == 0:
+            return self.grad_full[i]
+        if self.stage == 1:
+            return self.grad_full[i][self.rank * group.shard_numel:(self.rank + 1) * group.shard_numel]
+        return self.grad_shards[i]  # type: ignore[return-value]  # reduce_gradients filled every group
 
     # --- the step ----------------------------------------------------------------------------------
 
