@@ -117,3 +117,12 @@ def test_a_schedule_no_plan_runs_is_refused_naming_why():
     cycle = parse_schedule("waits for itself", "F0 B0 F1 B1", "F0 F1 B1 B0")
     with pytest.raises(ValueError, match="schedule 'waits for itself' stalls: no rank can run its next action"):
         plan_exchanges(cycle)
+
+
+def test_a_stage_link_needs_the_pipeline_group_and_refuses_a_tensor_unlike_its_spec():
+    from parallel_lib.pipeline_parallel.link import Message, StageLink
+    with pytest.raises(ValueError, match="group must be the pipeline's process group .* got None"):
+        StageLink(None, 1, "rank 0", 1.0, torch.device("cpu"), group=None)
+    link = StageLink(None, 1, "rank 0", 1.0, torch.device("cpu"), group=object())
+    with pytest.raises(ValueError, match=r"as torch.float32 \(2, 3\), but rank 1 expects torch.bfloat16 \(2, 3\)"):
+        link.exchange([(Message("activation", 0), torch.zeros(2, 3))], [], lambda m: ((2, 3), torch.bfloat16))
