@@ -174,10 +174,13 @@ def p2p_calls_then_big_exchanges(rank, world_size):
     finally:
         dist.batch_isend_irecv = original
     schedule = make_schedule("1f1b", 2, 2)
-    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"))
+    group = dist.new_group([0, 1])
+    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"),
+                     group=group)
     received = []
     for e in exchange_plan(schedule, rank):
-        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs, lambda m: (BIG,))
+        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs,
+                            lambda m: ((BIG,), torch.float32))
         received += [(m, t[0].item(), t[-1].item()) for m, t in zip(e.recvs, got)]
     return batches, received, link.bytes_sent
 
@@ -230,3 +233,22 @@ def test_bucketed_all_reduce_takes_a_group_or_a_custom_all_reduce_not_both():
     from parallel_lib.data_parallel import BucketedAllReduce
     with pytest.raises(ValueError, match="give all_reduce or group, not both"):
         BucketedAllReduce(nn.Linear(2, 2), all_reduce=lambda t: None, group=object())
+
+
+def test_a_stage_rank_moves_and_keeps_only_its_stage():
+    """GPU item 4: the replica is cut on the CPU and only the stage reaches the rank's device (here the meta
+    device, whose copies are counted); nothing else of the replica stays alive on the host. The old code moved
+    the whole replica to the device before cutting it."""
+    from _census import Moved, live_parameters
+
+    from parallel_lib.hybrid.dp_pp import _stage_of_replica
+    config = replace(BASE, dp=1, pp=2)
+    for j in range(2):
+        host_before = live_parameters("cpu")
+        with Moved() as moved:
+            module, tied, _, _, _ = _stage_of_replica(config, j, torch.device("meta"))
+        held = sum(t.numel() for t in [*module.parameters(), *module.buffers()])
+        assert moved.numel == held, j  # the device got the stage's tensors, nothing more
+        assert live_parameters("cpu") == host_before, j  # and the host kept nothing of the other stage
+        assert all(p.device.type == "meta" for p in module.parameters()) and len(tied) == 1
+        del module, tied

@@ -105,3 +105,43 @@ def test_the_planner_gets_the_slowest_step_the_fullest_rank_and_the_busiest_send
     fullest = max(stage_parameters(SHAPE, 2, 2, j == 0, j == 1, 2) for j in range(2))  # the embedding's stage
     assert state == state_bytes(fullest, config.optimizer)
     assert traffic["dp"] == 2 * (2 - 1) / 2 * 4 * fullest and traffic["pp"] == 2 * 2 * 8 * 32 * 4  # m=2 (2, 8, 32)
+
+
+def _stage_census(rank: int, world_size: int) -> dict:
+    """One pure-PP rank (tp=1): its run with the shard's other stages freed and with them kept, then the census
+    of building stage ``rank`` of a TP shard onto the meta device."""
+    import torch.distributed as dist
+    from _census import Moved, live_parameters
+
+    from parallel_lib.common.models import build_gpt2
+    from parallel_lib.hybrid.dp_tp_pp import _stage_on_device, run_3d
+    from parallel_lib.tensor_parallel.convert import tensor_parallelize
+    config = Config3D(dp=1, tp=1, pp=2, n_layer=4, n_embd=32, vocab_size=64, seq_len=8, batch_size=4, micro_batches=2,
+                      steps=2, optimizer="sgd", lr=0.5, timeout=60.0)
+    freed, kept = run_3d(rank, world_size, config), run_3d(rank, world_size, replace(config, return_state=True))
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    try:
+        shard = tensor_parallelize(build_gpt2("tiny", 64, 0, n_layer=4, n_embd=32), groups[rank], dropout_seed=0)
+        whole = sum(p.numel() for p in shard.parameters())
+        host_before = live_parameters("cpu") - whole  # what the process holds besides the shard
+        with Moved() as moved:
+            stage = _stage_on_device(shard, rank, world_size, torch.device("meta"), keep_shard=False)
+        del shard
+        return dict(losses=(freed.record.losses, kept.record.losses), state_bytes=(freed.state_bytes, kept.state_bytes),
+                    whole=whole, moved=moved.numel,
+                    held=sum(t.numel() for t in [*stage.parameters(), *stage.buffers()]),
+                    host_left=live_parameters("cpu") - host_before)
+    finally:
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
+def test_a_pipeline_rank_holds_only_its_stage_of_the_tp_shard():
+    """GPU item 4: run_3d used to move the whole TP shard to the stage's device and keep it alive (the stage
+    refers to the shard). Now only the stage's tensors reach the device, the shard's other stages are freed,
+    and training is unchanged (the same losses as a run that keeps the shard for return_state)."""
+    for rank, census in enumerate(launch(_stage_census, 2, threads_per_rank=1, timeout=240, startup_timeout=240)):
+        assert census["losses"][0] == pytest.approx(census["losses"][1], nan_ok=True), rank  # NaN: not the last stage
+        assert census["state_bytes"][0] == census["state_bytes"][1], rank
+        assert census["moved"] == census["held"] < census["whole"], rank  # the device got the stage, nothing more
+        assert census["host_left"] == 0, rank  # and nothing of the other stage stays alive on the host

@@ -23,10 +23,12 @@ use; only the hand-overs are messages instead of Python objects::
     B(i): g = recv(from b);         <------  backward(z, grad_z); send(x.grad, to a)
           backward(y, g)
 
-Each stage runs like a stage of ``Pipe``, with the same
+Each rank runs its actions with the loop a stage thread of ``Pipe`` runs
+(:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), with the same
 :class:`~parallel_lib.pipeline_parallel.stage.StageRunner`. Between two actions it sends
 what the last one produced and receives what the next one needs in ONE
-``dist.batch_isend_irecv`` (:class:`~parallel_lib.pipeline_parallel.link.StageLink`): with
+``dist.batch_isend_irecv`` on the replica's pipeline group ``pm.group("pp")``
+(:class:`~parallel_lib.pipeline_parallel.transports.ProcessLink`): with
 NCCL a large send waits for its receive, and unpaired sends of two neighbours would wait
 for each other forever (:func:`~parallel_lib.pipeline_parallel.link.find_deadlock` shows
 it). No tags: messages between two ranks match in order. Every wait has a timeout and
@@ -50,7 +52,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,9 +69,11 @@ from parallel_lib.hybrid.gradients import StageGradients
 from parallel_lib.hybrid.results import HEAD_COPY, HybridResult
 from parallel_lib.model_parallel.memory import memory_report
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
-from parallel_lib.pipeline_parallel.link import Message, StageLink, exchange_plan, wait_for
-from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
-from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
+from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, make_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
+from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import Mesh, RankMesh
 
@@ -138,79 +143,60 @@ class HybridConfig:
 
 
 class _Stage:
-    """One rank's stage for one step: runs its actions, exchanging tensors with its neighbours [2]."""
+    """One rank's stage: runs its actions each step with the one pipeline runtime, over its pipeline group [2]."""
 
     def __init__(self, module: nn.Module, pm: RankMesh, hidden: int, config: HybridConfig,
                  recorder: TimelineRecorder, device: torch.device) -> None:
         self.config, self.recorder, self.hidden = config, recorder, hidden
         self.rank, self.d, self.j = pm.rank, pm.index("dp"), pm.index("pp")
-        row = pm.peers("pp")
+        self.row = pm.peers("pp")
         self.first, self.last = self.j == 0, self.j == pm.size("pp") - 1
         self.lane = f"rank {pm.rank}: replica {self.d}, stage {self.j}"
         self.who = f"rank {pm.rank} (replica {self.d}, stage {self.j})"
         self.runner = StageRunner(module, device, first=self.first)
-        self.link = StageLink(None if self.first else row[self.j - 1], None if self.last else row[self.j + 1],
-                              self.who, config.timeout, device)
+        self.dtype = next(module.parameters()).dtype  # every stage's hidden states: the model's dtype
+        self.link = StageLink(None, None, self.who, config.timeout, device, group=pm.group("pp"))
         self.traced = False  # record events during this step
 
     def record(self, kind: str, micro_batch: Optional[int], label: str = "") -> Any:
         return self.recorder.record(self.lane, kind, micro_batch, label) if self.traced else nullcontext()
+
+    def _timed(self, action: Action, compute: Callable[[], Any]) -> Any:
+        with self.record(action.event_kind, action.micro_batch):
+            return compute()
 
     def step(self, schedule: Schedule, ids: Tensor, labels: Tensor, weights: Tensor, denominator: Tensor
              ) -> tuple[float, int]:
         """Forward and backward of one replica batch; returns (loss share on the last stage, peak held)."""
         m = schedule.num_micro_batches
         ids_mb, labels_mb, weights_mb = (torch.tensor_split(t, m) for t in (ids, labels, weights))
-        shape = lambda message: (*ids_mb[message.micro_batch].shape, self.hidden)  # noqa: E731  (rows, T, C)
-        actions = schedule.stages[self.j]
-        exchanges = {e.before: e for e in exchange_plan(schedule, self.j)}  # sends of k-1 + receives of k
-        saved: dict[int, Any] = {}  # i -> what the stage's backward of micro-batch i needs
-        inbox: dict[Message, Tensor] = {}
-        outbox: dict[Message, Tensor] = {}
-        loss, peak, self.link.bytes_sent = 0.0, 0, 0
-        for k in range(len(actions) + 1):
-            if k in exchanges:  # one batch_isend_irecv, waited on with a timeout
-                e = exchanges[k]
-                received = self.link.exchange([(msg, outbox.pop(msg)) for msg in e.sends], e.recvs, shape)
-                inbox.update(zip(e.recvs, received))
-            if k == len(actions):
-                break
-            i = actions[k].micro_batch
-            if actions[k].kind == "F":
-                x = ids_mb[i] if self.first else inbox.pop(Message("activation", i))
-                lm_loss = (lambda logits, i=i: weighted_cross_entropy(logits, labels_mb[i], weights_mb[i],
-                                                                        denominator)) if self.last else None
-                with self.record("forward", i):
-                    saved[i], y = self.runner.forward(x, lm_loss)  # y: hidden states (rows, T, C), or the loss
-                if self.last:
-                    loss += y.item()
-                else:
-                    outbox[Message("activation", i)] = y
-                peak = max(peak, len(saved))
-            else:
-                grad = None if self.last else inbox.pop(Message("gradient", i))
-                with self.record("backward", i):
-                    grad_x = self.runner.backward(saved.pop(i), grad)
-                if not self.first:
-                    outbox[Message("gradient", i)] = grad_x
-        return loss, peak
+        lm_loss = lambda i: partial(weighted_cross_entropy, labels=labels_mb[i], weights=weights_mb[i],  # noqa: E731
+                                    denominator=denominator)
+        # (rows, T, C) in the model's dtype, as the sending stage makes it
+        spec = lambda message: ((*ids_mb[message.micro_batch].shape, self.hidden), self.dtype)  # noqa: E731
+        stages = RankStages(schedule, self.j, {self.j: self.runner}, ids_mb, loss=lm_loss, timed=self._timed)
+        self.link.bytes_sent = 0
+        run_actions(schedule, self.j, stages, ProcessLink(schedule, self.j, self.link, self.row, spec))
+        return stages.loss_sum(), stages.peak
 
 
 def _stage_of_replica(config: HybridConfig, j: int, device: torch.device
                       ) -> tuple[nn.Module, list[nn.Parameter], dict[int, str], int, Any]:
-    """Stage j of the replica (the other stages' weights are not kept), with what training it needs.
+    """Stage j of the replica, alone on ``device`` (the replica is built on the CPU and cut first), with what
+    training it needs.
 
     Returns:
         The stage module, its copies of the tied embedding, parameter names by id (by the
         unsplit model's names), the hidden width and the collate function and pairs.
     """
-    model, _, pairs, collate = prepare_replica(config.dp_config(), device)
-    names = {id(p): name for name, p in model.named_parameters()}
-    stages = gpt2_stages(model, [device] * config.pp)
-    module = stages[j].to(device)
-    mine = {id(p) for p in module.parameters()}
-    tied = [p for pair in stages.tied_parameters for p in pair if id(p) in mine]
-    return module, tied, names, model.config.n_embd, (pairs, collate)
+    model, _, pairs, collate = prepare_replica(config.dp_config(), torch.device("cpu"))
+    unsplit = {id(p): name for name, p in model.named_parameters()}
+    stages = gpt2_stages(model, ["cpu"] * config.pp)
+    tied_ids = {id(p) for pair in stages.tied_parameters for p in pair}
+    module = move_stage(stages[j], device)  # only this stage's layers reach the device; the others are dropped here
+    names = {id(p): unsplit.get(id(p), HEAD_COPY) for p in module.parameters()}
+    tied = [p for p in module.parameters() if id(p) in tied_ids]
+    return module, tied, names, model.config.n_embd, (pairs, partial(collate, device=device))
 
 
 def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()) -> HybridResult:
@@ -233,7 +219,10 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
     require_process_group("run_hybrid")
     config.check(world_size)
     with config.mesh.build(config.timeout) as pm:  # every group, made once; destroyed when the run ends
-        return _run_hybrid(pm, config)
+        try:
+            return _run_hybrid(pm, config)
+        finally:
+            leave_together(pm.group("pp"), config.timeout)
 
 
 def _run_hybrid(pm: RankMesh, config: HybridConfig) -> HybridResult:
@@ -249,7 +238,7 @@ def _run_hybrid(pm: RankMesh, config: HybridConfig) -> HybridResult:
                                stage.who, config.timeout, stage.record)
     # NCCL: the first p2p call in a group must involve every rank of it; a barrier sets the
     # communicator up first (cheap on gloo)
-    wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: start-up barrier")
+    wait_for(dist.barrier(group=pm.group("pp"), async_op=True), config.timeout, f"{stage.who}: start-up barrier")
     schedule = make_schedule(config.schedule, config.pp, config.micro_batches)
     batches = iter(partition_dataset(d, dp, pairs, batch_size=config.batch_size, collate_fn=collate,
                                      seed=config.data_seed))

@@ -12,9 +12,11 @@ look inside it: they run it and answer ``(task, ok, result or exc_info)`` on the
 out-queue, also for a ``BaseException`` such as ``KeyboardInterrupt`` (a thread that
 died of it would leave the caller waiting for its timeout). After :meth:`Workers.cancel`
 queued tasks are answered without running (``ok`` False, no exc_info): a failed step
-stops at once instead of computing what nobody will use. All workers answer on one shared out-queue, so the scheduler in
-:mod:`parallel_lib.pipeline_parallel.pipe` wakes up on whichever stage finishes first
-instead of polling p queues or waiting for the slowest stage of each clock tick.
+stops at once instead of computing what nobody will use. The
+:class:`~parallel_lib.pipeline_parallel.Pipe` gives each worker one task per step, its rank's whole
+action list (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), whose actions
+:meth:`Workers.report` as they end. All workers answer on one shared out-queue, so the caller
+wakes up on whichever stage finishes first instead of polling p queues.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Task:
     """
 
     stage: int
-    action: Action
+    action: Optional[Action]  # None: a rank's whole action list (the Pipe's worker runs its loop)
     compute: Callable[[], Any]
     grad_mode: bool
     recorder: Optional[TimelineRecorder] = None
@@ -162,6 +164,15 @@ class Workers:
     def submit(self, task: Task) -> None:
         """Queue ``task`` on its stage's worker (tasks of one stage run in submission order)."""
         self._in_queues[task.stage].put(task)
+
+    def report(self, task: Task) -> None:
+        """Answer ``task`` as done, from inside a longer task (a rank's loop reports each action)."""
+        self._out_queue.put((task, True, None))
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once a task failed or :meth:`cancel` or :meth:`close` ran: the current call is stopping."""
+        return self._cancelled
 
     def answer(self, timeout: float) -> Answer:
         """The next ``(task, ok, result | exc_info | None)`` from any worker (None: cancelled).

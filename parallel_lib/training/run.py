@@ -16,9 +16,9 @@ A step on rank ``(d, j, t)``:
 [4] take replica d's rows of the global batch (one batch source for every process, the
     reference too), with the loss divided by the global token count over dp (the dp mean
     then gives the global token mean);
-[5] run stage j's actions of the schedule, exchanging with slice t of the neighbouring
-    stages (:class:`~parallel_lib.pipeline_parallel.link.StageLink`, one
-    ``batch_isend_irecv`` per exchange);
+[5] run stage j's actions of the schedule with the one pipeline runtime
+    (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), exchanging with slice t of the
+    neighbouring stages over ``pm.group("pp")``, one ``batch_isend_irecv`` per exchange;
 [6] reduce the gradients over dp (ZeRO's reduce-scatter or all-reduce), sum the
     sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends;
 [7] AdamW on this rank's shard; ZeRO-1/2 all-gather the updated parameters.
@@ -40,9 +40,9 @@ from parallel_lib.common.models import GPT2_SIZES, build_gpt2
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
-from parallel_lib.hybrid.dp_tp_pp import _step
-from parallel_lib.hybrid.tp_stages import TensorParallelStage, dense_state
-from parallel_lib.pipeline_parallel.link import StageLink, wait_for
+from parallel_lib.hybrid.dp_tp_pp import _stage_on_device, _step
+from parallel_lib.hybrid.tp_stages import dense_state
+from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner
 from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
@@ -156,7 +156,10 @@ def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
     shape = run.shape
     plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
     with plan.mesh.build(run.timeout) as pm:  # every group, made once; destroyed when the run ends
-        return _train(pm, plan, run, builder)
+        try:
+            return _train(pm, plan, run, builder)
+        finally:  # a peer still waiting for a message times out naming it, instead of seeing the group vanish
+            leave_together(pm.group("pp"), run.timeout)
 
 
 def train_many(rank: int, world_size: int, jobs: Sequence[tuple[Plan, RunConfig]]) -> list[TrainResult]:
@@ -170,14 +173,14 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
     device = rank_device()
     sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed)  # [1]
-    stage = TensorParallelStage(sharded, j, pp).to(device)  # [2]
+    stage = _stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
     engine = ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,  # [3]
                         layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
     runner = StageRunner(stage, device, first=stage.first)
-    row = pm.peers("pp")
-    link = StageLink(row[j - 1] if j > 0 else None, row[j + 1] if j < pp - 1 else None, who, run.timeout, device)
-    wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: start-up barrier")
+    pipeline = pm.peers("pp")
+    link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
+    wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
     record, clock = TrainRecord(), DeviceClock([device])
     counter = CollectiveCounter()
@@ -186,7 +189,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
         mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [4]
         start = clock()
         with count_collectives() as counter:
-            loss = _step(stage, runner, link, schedule, j, mine, tokens / dp, plan.recompute)  # [5]
+            loss = _step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp, plan.recompute)  # [5]
             engine.reduce_gradients()  # [6]
             sync_sequence_parallel_grads(stage.model)
             for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends
