@@ -199,7 +199,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
             engine.step()  # [7]
         record.append(loss / dp if stage.last else float("nan"), int(tokens), clock() - start)
     traffic, wire = _by_axis(counter, pm)
-    held = sum(census.values())
+    held = census["total"]
     owned = sum(t.numel() for t in engine.master)
     engine.remove()  # ZeRO-3: the full parameters back in the model
     state = dense_state(stage, pp, gather_dense(stage.model)) if run.return_state else {}
