@@ -6,7 +6,9 @@ rank's counted traffic per mesh axis and its tensor census must equal
 
 Starting eight ranks is the slow part (each imports torch and transformers), so ONE launch
 runs every plan: 1F1B with plain data parallelism on the course's grid order, GPipe with
-recomputation and ZeRO-1 on Megatron's default order, and 1F1B with ZeRO-2. The model is tiny
+recomputation and ZeRO-1 on Megatron's default order, 1F1B with ZeRO-2, GPipe with ZeRO-3 (its
+census; its traffic is not in the formula), and 8 replicas with ZeRO-1 on a model whose flat
+group needs padding. The model is tiny
 GPT-2 narrowed to 32 features, the sequences 8 tokens: the point is the bookkeeping, not the
 arithmetic. AdamW with eps = 1e-3 (as in test_layouts): its update then depends on the
 gradient's scale, so a gradient summed instead of averaged over dp or a tied copy left unsummed
@@ -35,25 +37,40 @@ from parallel_lib.training.traffic import dp_groups, expected_traffic, owned_par
 RUN = RunConfig(n_layer=4, n_embd=32, vocab_size=64, seq_len=8, batch_size=8, steps=2, lr=1e-2, eps=1e-3,
                 return_state=True, timeout=120.0)
 BASE = Plan(dp=2, tp=2, pp=2, micro_batches=2, schedule="1f1b", order="tp-pp-dp")
-PLANS = {"1f1b zero0": BASE,
-         "gpipe recompute zero1 tp-dp-pp": replace(BASE, schedule="gpipe", recompute=True, zero=1, order="tp-dp-pp"),
-         "1f1b zero2": replace(BASE, zero=2)}
+# GPT-2's tensors are multiples of its width, so a width of 32 never pads over 2, 4 or 8 replicas; 3 blocks
+# of width 36 over 8 replicas do: 55,044 values -> 55,048, and the padding travels and is stored too
+PADDED = RunConfig(n_layer=3, n_embd=36, vocab_size=64, seq_len=8, batch_size=16, steps=2, lr=1e-2, eps=1e-3,
+                   return_state=True, timeout=120.0)
+CASES = {"1f1b zero0": (BASE, RUN),
+         "gpipe recompute zero1 tp-dp-pp": (replace(BASE, schedule="gpipe", recompute=True, zero=1, order="tp-dp-pp"),
+                                            RUN),
+         "1f1b zero2": (replace(BASE, zero=2), RUN),
+         "gpipe zero3": (replace(BASE, zero=3, schedule="gpipe"), RUN),
+         "dp8 zero1 padded": (Plan(dp=8, zero=1), PADDED)}
+PLANS = {name: plan for name, (plan, _) in CASES.items()}
 # float32 sums in another order (all-reduces, micro-batches) differ by ~1e-7 (test_layouts: 2e-7);
 # a gradient twice too large moves the parameters by far more (test_a_wrong_gradient_scale_would_be_caught)
 TOLERANCE = 1e-6
-SHAPE = GPTShape(4, 32, 4, 64, 128)  # tiny's 4 heads and 128 positions, narrowed
+
+
+def shape_of(run: RunConfig) -> GPTShape:
+    """The run's model (tiny's 4 heads and 128 positions, narrowed)."""
+    return GPTShape(run.shape["n_layer"], run.shape["n_embd"], run.shape["n_head"], run.vocab_size,
+                    run.shape["n_positions"])
+
+
+SHAPE = shape_of(RUN)
 
 
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
-    per_rank = launch(train_many, 8, [(plan, RUN) for plan in PLANS.values()], threads_per_rank=1, timeout=300,
-                      startup_timeout=300)
-    return {name: [results[k] for results in per_rank] for k, name in enumerate(PLANS)}
+    per_rank = launch(train_many, 8, list(CASES.values()), threads_per_rank=1, timeout=300, startup_timeout=300)
+    return {name: [results[k] for results in per_rank] for k, name in enumerate(CASES)}
 
 
 @pytest.fixture(scope="module")
-def expected() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return reference(RUN)
+def expected() -> dict[RunConfig, tuple[list[float], dict[str, torch.Tensor]]]:
+    return {run: reference(run) for run in {run for _, run in CASES.values()}}
 
 
 @pytest.mark.parametrize("change, match", [
@@ -91,15 +108,16 @@ def test_the_dp_formula_refuses_zero_3():
         expected_traffic(SHAPE, 2, 2, 2, 0, 2, 2, 2, 8, zero=3)
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_parameters_and_losses_equal_one_process(launched, expected, name):
-    results, plan = launched[name], PLANS[name]
-    losses, state = expected
+    results, (plan, run) = launched[name], CASES[name]
+    losses, state = expected[run]
     differences = max_difference(results, state)
     assert max(differences.values()) < TOLERANCE, sorted(differences.items(), key=lambda kv: -kv[1])[:3]
-    assert "lm_head.weight" in differences  # the last stage's copy of the tied embedding, checked too
+    if plan.pp > 1:
+        assert "lm_head.weight" in differences  # the last stage's copy of the tied embedding, checked too
     last = [r for r in results if r.coords["pp"] == plan.pp - 1 and r.coords["tp"] == 0]
-    job = [sum(r.record.losses[k] for r in last) for k in range(RUN.steps)]
+    job = [sum(r.record.losses[k] for r in last) for k in range(run.steps)]
     assert job == pytest.approx(losses, rel=1e-5)
 
 
@@ -107,33 +125,43 @@ def test_a_wrong_gradient_scale_would_be_caught(expected):
     """AdamW's update m / (sqrt(v) + eps) with gradients twice too large is exactly the update with
     the true gradients and eps / 2: one process with half the eps is a run whose replicas forgot to
     divide by dp. It ends far further from the reference than the 3D runs are allowed to."""
-    _, state = expected
+    _, state = expected[RUN]
     _, doubled = reference(replace(RUN, eps=RUN.eps / 2))
     worst = max((doubled[k] - state[k]).abs().max().item() for k in state if not k.endswith(".attn.bias"))
     assert worst > 100 * TOLERANCE, worst
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_each_axis_traffic_and_the_census_equal_the_formulas(launched, name):
-    plan = PLANS[name]
-    rows = RUN.batch_size // plan.dp // plan.micro_batches
+    (plan, run), shape = CASES[name], shape_of(CASES[name][1])
+    rows = run.batch_size // plan.dp // plan.micro_batches
     for r in launched[name]:
         j = r.coords["pp"]
         first, last = j == 0, j == plan.pp - 1
-        blocks = len(stage_blocks(SHAPE.n_layer, plan.pp)[j])
-        expected = expected_traffic(SHAPE, plan.dp, plan.tp, plan.pp, j, blocks, plan.micro_batches, rows,
-                                    RUN.seq_len, plan.recompute, plan.zero)
+        blocks = len(stage_blocks(shape.n_layer, plan.pp)[j])
+        groups = dp_groups(shape, plan.tp, blocks, first, last, plan.pp, plan.zero, plan.dp)
+        assert len(groups) == (2 if plan.pp > 1 and (first or last) else 1) or plan.zero == 3  # tied alone, 1 bucket
+        assert r.num_parameters == owned_parameters(groups, plan.zero, plan.dp)
+        assert r.state_bytes == state_bytes(groups, plan.zero, plan.dp), r.rank
+        if plan.zero == 3:  # its all-gathers per layer and micro-batch are not in the formula
+            continue
+        expected = expected_traffic(shape, plan.dp, plan.tp, plan.pp, j, blocks, plan.micro_batches, rows,
+                                    run.seq_len, plan.recompute, plan.zero)
         assert {k: v for k, v in r.traffic.items() if v} == {k: v for k, v in expected.items() if v}, r.rank
-        groups = dp_groups(SHAPE, plan.tp, blocks, first, last, plan.pp, plan.zero, plan.dp)
-        assert len(groups) == (2 if plan.pp > 1 and (first or last) else 1)  # the tied copy alone, one bucket
         if plan.zero <= 1:  # the ring: each rank sends 2 (N - 1) / N of its padded flat groups, the ZeRO paper's
-            assert r.wire["dp"] == zero_traffic(sum(groups), plan.dp, plan.zero, "fp32") \
-                == ring_wire_bytes("all_reduce", 4 * sum(groups), plan.dp)
+            assert r.wire["dp"] == pytest.approx(zero_traffic(sum(groups), plan.dp, plan.zero, "fp32"), rel=1e-12)
+            assert r.wire["dp"] == pytest.approx(ring_wire_bytes("all_reduce", 4 * sum(groups), plan.dp), rel=1e-12)
         else:  # ZeRO-2 reduce-scatters after every micro-batch's backward: m + 1 halves of the ring
             assert r.wire["dp"] == (plan.micro_batches + 1) * (2 - 1) / 2 * 4 * sum(groups)
         assert r.wire["tp"] == wire_bytes(expected["tp"], plan.tp)
-        assert r.num_parameters == owned_parameters(groups, plan.zero, plan.dp)
-        assert r.state_bytes == state_bytes(groups, plan.zero, plan.dp), r.rank
+
+
+def test_the_padded_case_pads():
+    """The dp8 case's one flat group is not a multiple of 8: the formulas count 4 padding values."""
+    plan, run = CASES["dp8 zero1 padded"]
+    shape = shape_of(run)
+    assert stage_parameters(shape, 1, 3, True, True, 1) == 55_044
+    assert dp_groups(shape, 1, 3, True, True, 1, plan.zero, plan.dp) == [55_048]
 
 
 def test_measure_layout_refuses_a_run_with_nothing_to_time():

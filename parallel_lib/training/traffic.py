@@ -39,7 +39,7 @@ The model state (:func:`state_bytes`) is the tensor census ``train`` takes betwe
 step (:func:`~parallel_lib.sharding.memory.engine_census`): the ZeRO paper's
 :func:`~parallel_lib.sharding.memory.zero_memory` of ``ΣP`` values in fp32 (parameters 4,
 gradients 4, AdamW's two moments 8 bytes each, sharded by stage), plus torch AdamW's step count,
-one 4-byte tensor per flat group.
+one 4-byte tensor per flat group. It holds at every ZeRO stage 0-3 (``tests/test_training_3d.py``).
 """
 
 
