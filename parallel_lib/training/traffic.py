@@ -42,7 +42,6 @@ gradients 4, AdamW's two moments 8 bytes each, sharded by stage), plus torch Ada
 one 4-byte tensor per flat group. It holds at every ZeRO stage 0-3 (``tests/test_training_3d.py``).
 """
 
-
 from __future__ import annotations
 
 from typing import Any
