@@ -18,3 +18,15 @@ def _seed_and_threads():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank in this process: enough to drive an engine's code paths without launching ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

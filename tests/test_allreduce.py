@@ -389,16 +389,6 @@ def test_ring_widget_follows_the_world_size_selector():
 
 # --- a bucket's end time: when its sums are in the buffer on the device ---------------------------
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of one rank in this process: enough to drive BucketedAllReduce's code paths."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_cpu_buckets_end_comes_from_the_completed_work(one_rank_group):
     import time
 

@@ -23,16 +23,6 @@ GPU = torch.device("cuda", 0)
 VOCAB = 97
 
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of one rank in this process: enough to drive the engines' code paths."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class _LoggedWork:
     """A collective's work that logs the (fake) current stream each ``wait`` runs on."""
 
