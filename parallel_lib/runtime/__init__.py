@@ -11,11 +11,14 @@ What launches ranks, file by file:
 - ``payload``: pickling the job here and unpickling it in the rank, naming what cannot travel;
 - ``spawned``: the rank's entry point and its watch on the parent;
 - ``supervise``: waiting for the ranks (start-up and run timeouts) and stopping them;
-- ``failures``: ``RankError``/``LaunchTimeoutError`` and what each symptom usually means.
+- ``failures``: ``RankError``/``LaunchTimeoutError`` and what each symptom usually means;
+- ``guard``: the collective guard, which checks NCCL's two rules (tensors on the backend's
+  device, point-to-point only inside ``batch_isend_irecv``) on a CPU run.
 """
 
 from parallel_lib.runtime.collectives import CollectiveCall, CollectiveCounter, count_collectives, ring_wire_bytes
 from parallel_lib.runtime.device import DeviceKey, check_device_keys, cpu_count, devices, rank_device, resolve_device
+from parallel_lib.runtime.guard import CollectiveGuardError, allow_bare_p2p, collective_guard, guard_from_environment
 from parallel_lib.runtime.environment import all_reduce_demo, environment_info, environment_report, machine_label
 from parallel_lib.runtime.launcher import (
     BACKENDS,
@@ -34,6 +37,10 @@ __all__ = [
     "CollectiveCounter",
     "count_collectives",
     "ring_wire_bytes",
+    "CollectiveGuardError",
+    "collective_guard",
+    "allow_bare_p2p",
+    "guard_from_environment",
     "DeviceKey",
     "cpu_count",
     "rank_device",
