@@ -1,6 +1,6 @@
 """Data-parallel benchmark: ``python -m parallel_lib.bench dp [--quick]``.
 
-Trains GPT-2 (tiny on every device; `--model gpt2` for the 124M shape) with a fixed batch per rank and
+Trains GPT-2 (tiny on every device; ``--model gpt2`` for the 124M shape) with a fixed batch per rank and
 compares, in one launch of ``world_size`` ranks:
 
 - **1 rank**: rank 0 trains alone while the others wait at a barrier: the baseline;
