@@ -109,3 +109,15 @@ def calibrate_on_a_stand_in_default_device(rank: int, world_size: int) -> tuple[
 def test_the_calibration_hands_collectives_tensors_on_the_rank_device_only():
     for outcome, detail in launch(calibrate_on_a_stand_in_default_device, 2, backend="gloo", timeout=120):
         assert (outcome, detail) == ("ok", "all_gather,all_reduce,reduce_scatter,send"), detail
+
+
+def test_torchs_own_point_to_point_protocols_are_torchs_business():
+    # torch.distributed.pipelining sends bare warm-up messages; the guard checks the code that calls torch
+    from torch.distributed.pipelining import stage
+
+    code = compile("def warm_up(): dist.send(torch.ones(1), 1)", stage.__file__, "exec")
+    namespace = {"dist": dist, "torch": torch}
+    exec(code, namespace)
+    with pytest.raises(Exception) as error:  # past the guard; torch says there is no process group
+        namespace["warm_up"]()
+    assert not isinstance(error.value, CollectiveGuardError)

@@ -176,10 +176,23 @@ def _backend(group: Any) -> Optional[str]:
         return None
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STAND_INS = (os.path.join("parallel_lib", "runtime", "guard.py"), os.path.join("parallel_lib", "runtime",
+                                                                                   "collectives.py"))
+
+
 def _allowed_call_site() -> bool:
-    """Whether the bare message comes from a call site in ``_ALLOWED_BARE_P2P`` (a comprehension counts)."""
-    frame = sys._getframe(2)
-    for _ in range(3):  # the caller; a comprehension's frame and its function (Python < 3.12)
+    """Whether a bare message is torch's own, or comes from a call site in ``_ALLOWED_BARE_P2P``.
+
+    torch's own protocols (``torch.distributed.pipelining``'s warm-up messages, for one) are
+    torch's business: the guard checks the code that calls torch.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.endswith(_STAND_INS):  # this guard, the counter
+        frame = frame.f_back
+    if frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        return True
+    for _ in range(2):  # the caller, or the function around its comprehension (Python < 3.12)
         if frame is None:
             return False
         path = frame.f_code.co_filename.replace(os.sep, "/")
