@@ -18,8 +18,8 @@ What launches ranks, file by file:
 
 from parallel_lib.runtime.collectives import CollectiveCall, CollectiveCounter, count_collectives, ring_wire_bytes
 from parallel_lib.runtime.device import DeviceKey, check_device_keys, cpu_count, devices, rank_device, resolve_device
-from parallel_lib.runtime.guard import CollectiveGuardError, allow_bare_p2p, collective_guard, guard_from_environment
 from parallel_lib.runtime.environment import all_reduce_demo, environment_info, environment_report, machine_label
+from parallel_lib.runtime.guard import CollectiveGuardError, allow_bare_p2p, collective_guard, guard_from_environment
 from parallel_lib.runtime.launcher import (
     BACKENDS,
     LaunchTimeoutError,
