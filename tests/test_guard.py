@@ -121,3 +121,9 @@ def test_torchs_own_point_to_point_protocols_are_torchs_business():
     with pytest.raises(Exception) as error:  # past the guard; torch says there is no process group
         namespace["warm_up"]()
     assert not isinstance(error.value, CollectiveGuardError)
+
+
+def test_the_whole_suite_runs_under_the_guard():
+    import os
+
+    assert guard_active() and os.environ[GUARD_ENV] == "1"  # tests/conftest.py: this process and every rank
