@@ -21,8 +21,10 @@ through the ``PARALLEL_LIB_GUARD=1`` environment variable, in every rank that ``
 
 The functions of ``torch.distributed`` are replaced once, on first use, by checking stand-ins
 that pass straight through while no guard is on (a name bound earlier with
-``from torch.distributed import all_reduce`` is not checked). Lesson code that shows a bare
-send on gloo on purpose says so with :func:`allow_bare_p2p`.
+``from torch.distributed import all_reduce`` is not checked, nor are the functional collectives
+DTensor issues: its ``DeviceMesh`` already ties them to one device type). Lesson code that shows
+a bare send on gloo on purpose says so with :func:`allow_bare_p2p`; torch's own protocols (the
+warm-up messages of ``torch.distributed.pipelining``) are torch's business and pass.
 """
 
 from __future__ import annotations
@@ -257,9 +259,6 @@ def _checked_batch(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
             op.op = fn
 
 
-_checked_batch.__wrapped__ = None  # set at install: unwrap() then finds torch's function
-
-
 def install() -> None:
     """Replace the functions of ``torch.distributed`` by checking stand-ins, once per process."""
     with _lock:
@@ -270,5 +269,4 @@ def install() -> None:
                 _originals[name] = getattr(dist, name)
                 setattr(dist, name, _Checked(name, _originals[name]))
         _originals["batch_isend_irecv"] = dist.batch_isend_irecv
-        _checked_batch.__wrapped__ = _originals["batch_isend_irecv"]  # type: ignore[attr-defined]
         dist.batch_isend_irecv = _checked_batch
