@@ -17,9 +17,12 @@ Who sees what (one counter, two sources):
   dispatch mode that meets every ``c10d`` collective op, whether the caller wrote
   ``dist.all_reduce(...)``, bound the name earlier, or went through the functional
   collectives that DTensor (``redistribute``, ``parallelize_module``) issues, which no
-  wrapper of ``torch.distributed``'s functions sees. The ops counted are CommDebugMode's
-  own list; this module adds the message size and the group, which CommDebugMode does not
-  record. A dispatch mode is per thread: collectives issued by another thread are not seen;
+  wrapper of ``torch.distributed``'s functions sees (nor what DDP issues from C++, such as
+  the broadcasts of its bucket order). The ops counted are CommDebugMode's own list; this
+  module adds the message size and the group, which CommDebugMode does not record, and it
+  does not enter CommDebugMode itself, whose module tracker hooks every module of a model
+  (slower, and it warns on Hugging Face's output classes). A dispatch mode is per thread:
+  collectives issued by another thread are not seen;
 - **point-to-point** messages (``send``, ``recv``, ``isend``, ``irecv``, and the ops of a
   ``batch_isend_irecv``) are not on CommDebugMode's list, so the functions of
   ``torch.distributed`` are wrapped for them while the block runs (code that calls
