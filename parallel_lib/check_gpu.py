@@ -5,22 +5,16 @@ same code picks up GPUs when they are there (``launch`` chooses NCCL, int device
 keys resolve to ``cuda:k``). This script is the one command a reader with GPUs
 runs to see that happen, chapter by chapter, each printing its table:
 
-- ``dp`` (01, >= 2 GPUs): every gradient-sync method over one NCCL rank per GPU
-  trains like one process, then ``python -m parallel_lib.bench dp``'s table;
-- ``allreduce`` (02, >= 2 GPUs): ``bench allreduce``'s table, ring vs NCCL;
-- ``model_parallel`` (03, >= 1 GPU): GPT-2 split over ``cuda:0 .. cuda:k-1`` by a
-  device map gives the gradients of one GPU, and its tokens/s;
-- ``pipeline`` (04, >= 2 GPUs): ``Pipe`` over ``cuda:0 .. cuda:p-1`` gives the
-  gradients of one GPU, GPipe step times by micro-batch count, then
-  ``bench pp``'s table (threads vs ``torch.distributed.pipelining`` on NCCL).
-- ``sharding`` (06, >= 2 GPUs): ZeRO-0..3 (torch and ring collectives, prefetch),
-  ZeroRedundancyOptimizer and FSDP2 on NCCL ranks train like one process, the census
-  matches the formula, then ``bench sharding``'s table.
+``setup`` (00), ``dp`` (01), ``allreduce`` (02), ``model_parallel`` (03), ``pipeline`` (04),
+``hybrid`` (05), ``sharding`` (06), ``tensor_parallel`` (07), ``schedules`` (08), ``inference``
+(09) and ``grid3d`` (10); ``--only NAME`` runs chapter NN's ``parallel_lib/gpu_checks/chNN_NAME.py``,
+and the printed plan says what each does and how many GPUs it needs.
 
-The checks are a registry, :data:`CHECKS` (name -> chapter and check function, the
-functions in :mod:`parallel_lib.gpu_checks` and :mod:`parallel_lib.gpu_checks_part2`): a later chapter adds its check with one
-:func:`register_check` line. Every timer waits on the devices it timed, and only
-those (:class:`~parallel_lib.common.timeline.DeviceClock`).
+The checks are a registry, :data:`parallel_lib.gpu_checks.CHECKS` (name -> chapter and check
+function, one module per chapter in :mod:`parallel_lib.gpu_checks`): a later chapter adds its check
+with one :func:`~parallel_lib.gpu_checks.register_check` line there; this module plans and runs them.
+Every timer waits on the devices it timed, and only those
+(:class:`~parallel_lib.common.timeline.DeviceClock`).
 
 The report ends with each chapter's check, its status and its wall time in seconds, and
 the total: on a GPU machine, the measured time per chapter.
@@ -39,99 +33,20 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from parallel_lib import gpu_checks
 from parallel_lib.common.models import GPT2_SIZES
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import (
-    FULL,
-    QUICK,
-    CheckError,
-    Workload,
-    check_allreduce,
-    check_dp,
-    check_model_parallel,
-    check_pipeline,
-    device_counts,
-    free_memory,
-    workload_for,
-)
-from parallel_lib.gpu_checks_hybrid3d import check_grid3d
-from parallel_lib.gpu_checks_part1 import check_hybrid, check_setup
-from parallel_lib.gpu_checks_part2 import check_schedules, check_sharding, check_tensor_parallel
-from parallel_lib.gpu_checks_inference import check_inference
+from parallel_lib.gpu_checks import device_counts, free_memory, workload_for
 from parallel_lib.runtime.environment import environment_report
 
-__all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "Planned",
-           "NOTHING_CHECKED", "device_counts", "plan", "format_plan", "check_dp", "check_allreduce",
-           "check_model_parallel", "check_pipeline", "check_sharding", "check_tensor_parallel", "parse_args", "main"]
+__all__ = ["Planned", "NOTHING_CHECKED", "plan", "format_plan", "parse_args", "main"]
 
 NOTHING_CHECKED = 3  # exit status when no check could run (no GPU, or too few for the selected checks)
 CPU_DEVICES = 2      # CPU "devices" (ranks, stages) of an --allow-cpu run without --gpus
-
-
-@dataclass(frozen=True)
-class Check:
-    """One chapter's check.
-
-    Attributes:
-        chapter: the notebook it stands for, e.g. ``"01_data_parallel"``.
-        min_devices: GPUs it needs (CPU devices with ``--allow-cpu``).
-        what: one line for the plan.
-        run: ``run(n_devices, quick)`` returns the chapter's table(s) as Markdown and raises
-            (``CheckError``) when the result is wrong.
-        splits_layers: the check cuts one model's layers over its devices, so it uses at
-            most one device per layer.
-    """
-
-    chapter: str
-    min_devices: int
-    what: str
-    run: Callable[[int, bool], str]
-    splits_layers: bool = False
-
-
-CHECKS: dict[str, Check] = {}  # name (what --only takes) -> check, in chapter order
-
-
-def register_check(name: str, check: Check) -> Check:
-    """Add a chapter's check to :data:`CHECKS`; ``python -m parallel_lib.check_gpu`` then runs it.
-
-    Raises:
-        ValueError: ``name`` is already registered.
-    """
-    if name in CHECKS:
-        raise ValueError(f"a check named {name!r} is already registered (for {CHECKS[name].chapter}); "
-                         "choose another name")
-    CHECKS[name] = check
-    return check
-
-
-# one line per chapter; a later chapter registers its own check the same way
-register_check("setup", Check("00_setup_and_devices", 1, "an all-reduce over NCCL ranks; the tiny GPT-2's first "
-                              "run on cuda:0", check_setup))
-register_check("dp", Check("01_data_parallel", 2, "data parallel on NCCL ranks: equivalence with one process, "
-                           "bench dp", check_dp))
-register_check("allreduce", Check("02_all_reduce", 2, "ring vs dist.all_reduce on NCCL: bench allreduce",
-                                  check_allreduce))
-register_check("model_parallel", Check("03_model_parallel", 1, "GPT-2 over cuda:0..k-1 device maps: equivalence "
-                                       "with one GPU, tokens/s", check_model_parallel, splits_layers=True))
-register_check("pipeline", Check("04_pipeline_parallel", 2, "Pipe over cuda:0..p-1: equivalence with one GPU, "
-                                 "step times by m, bench pp", check_pipeline, splits_layers=True))
-register_check("hybrid", Check("05_choosing_a_strategy", 2, "DP over pipelines on NCCL ranks: equivalence "
-                               "with one process", check_hybrid))
-register_check("sharding", Check("06_sharded_data_parallel", 2, "ZeRO-0..3, ZeroRedundancyOptimizer, FSDP2 on NCCL "
-                                 "ranks: equivalence with one process, census, bench sharding", check_sharding))
-register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
-                                        "ranks: equivalence with one process", check_tensor_parallel))
-register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 schedule's Pipe over cuda:0, "
-                                  "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
-register_check("inference", Check("09_inference", 1, "serving on cuda:0, cuda:0..n-1 and NCCL ranks (dp, pp, tp): "
-                                  "the CPU engine's tokens", check_inference))
-register_check("grid3d", Check("10_training_at_scale", 2, "DP x TP x PP on NCCL ranks: equivalence with one "
-                               "process, every group's traffic vs the formula", check_grid3d))
 
 
 # --------------------------------------------------------------------------- plan
@@ -160,14 +75,14 @@ def plan(n_gpus: int, quick: bool = False, only: Optional[Sequence[str]] = None,
         kind: what a device is here, for the reasons: "GPU" or "CPU device".
 
     Raises:
-        ValueError: a name in ``only`` that is not one of ``CHECKS``.
+        ValueError: a name in ``only`` that is not one of ``gpu_checks.CHECKS``.
     """
-    unknown = [name for name in only or () if name not in CHECKS]
+    unknown = [name for name in only or () if name not in gpu_checks.CHECKS]
     if unknown:
-        raise ValueError(f"only must name checks from {list(CHECKS)}, got {unknown}")
+        raise ValueError(f"only must name checks from {list(gpu_checks.CHECKS)}, got {unknown}")
     n_layers = GPT2_SIZES[workload_for(quick).model]["n_layer"]
     planned = []
-    for name, check in CHECKS.items():
+    for name, check in gpu_checks.CHECKS.items():
         if only and name not in only:
             planned.append(Planned(name, 0, "not selected (--only)"))
         elif n_gpus < check.min_devices:
@@ -181,8 +96,8 @@ def plan(n_gpus: int, quick: bool = False, only: Optional[Sequence[str]] = None,
 
 def format_plan(planned: Sequence[Planned]) -> str:
     """The plan as a Markdown table: check, chapter, devices, what it does or why it is skipped."""
-    rows = [[p.name, CHECKS[p.name].chapter, p.gpus if p.runs else "-",
-             CHECKS[p.name].what if p.runs else f"skipped: {p.reason}"] for p in planned]
+    rows = [[p.name, gpu_checks.CHECKS[p.name].chapter, p.gpus if p.runs else "-",
+             gpu_checks.CHECKS[p.name].what if p.runs else f"skipped: {p.reason}"] for p in planned]
     return markdown_table(["check", "chapter", "devices", "what"], rows, align="llrl")
 
 
@@ -193,8 +108,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """``--quick``, ``--only NAME ...``, ``--gpus N`` and ``--allow-cpu``."""
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.check_gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, few steps and repeats: a smoke run")
-    parser.add_argument("--only", nargs="+", choices=list(CHECKS), metavar="CHECK",
-                        help=f"run only these checks, from {list(CHECKS)}")
+    parser.add_argument("--only", nargs="+", choices=list(gpu_checks.CHECKS), metavar="CHECK",
+                        help=f"run only these checks, from {list(gpu_checks.CHECKS)}")
     parser.add_argument("--gpus", type=int, help="use the first N GPUs (default: all visible); with "
                         f"--allow-cpu on a machine without GPUs, N CPU devices (default {CPU_DEVICES})")
     parser.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the same checks on CPU "
@@ -235,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return NOTHING_CHECKED
     outcomes = []
     for step in (p for p in planned if p.runs):
-        check = CHECKS[step.name]
+        check = gpu_checks.CHECKS[step.name]
         print(f"\n## {check.chapter}: {step.name} on {step.gpus} {kind}{'s' * (step.gpus > 1)}\n", flush=True)
         start = time.perf_counter()
         try:

@@ -219,9 +219,9 @@ def _v_schedules() -> Figure:
 
 # ----------------------------------------------------------------------------- chapter 10
 def _grid3d() -> Figure:
-    from parallel_lib.hybrid.grid3d import Grid3D
+    from parallel_lib.runtime.mesh import Mesh
     from parallel_lib.viz.grid3d import render_grid3d
-    return render_grid3d(Grid3D(dp=2, tp=2, pp=2))
+    return render_grid3d(Mesh(dp=2, tp=2, pp=2))
 
 
 def _planner_widget() -> Figure:

@@ -6,8 +6,11 @@ shared CI machine are too noisy to assert.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import parallel_lib
 from parallel_lib.bench.__main__ import main as bench_dispatch
 from parallel_lib.bench.dp import QUICK, Config, Results, markdown, measure
 from parallel_lib.runtime import machine_label
@@ -53,8 +56,9 @@ def test_quick_run_through_the_bench_command(capsys):
 
 # --- every printed table comes from the one helper ------------------------------------------------
 
+GPU_CHECKS = sorted(path.stem for path in (Path(parallel_lib.__file__).parent / "gpu_checks").glob("ch*.py"))
 TABLE_MODULES = ["parallel_lib.bench.dp", "parallel_lib.bench.allreduce", "parallel_lib.bench.pp",
-                 "parallel_lib.check_gpu", "parallel_lib.gpu_checks", "parallel_lib.gpu_checks_part2",
+                 "parallel_lib.check_gpu", *(f"parallel_lib.gpu_checks.{name}" for name in GPU_CHECKS),
                  "parallel_lib.planner.compare"]
 
 

@@ -1,4 +1,4 @@
-"""Tests for parallel_lib.check_gpu and parallel_lib.gpu_checks on a machine without a GPU.
+"""Tests for parallel_lib.check_gpu and the checks in parallel_lib.gpu_checks on a machine without a GPU.
 
 The plan and the command line are pure and tested for 0, 1, 2 and 4 GPUs with a
 faked ``torch.cuda.device_count``. The checks themselves use int device keys and
@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import types
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from parallel_lib import check_gpu, gpu_checks
-from parallel_lib.check_gpu import (
-    CHECKS,
-    NOTHING_CHECKED,
-    Check,
-    CheckError,
-    Planned,
-    device_counts,
-    format_plan,
-    parse_args,
-    plan,
-    register_check,
-)
+from parallel_lib.check_gpu import NOTHING_CHECKED, Planned, format_plan, parse_args, plan
+from parallel_lib.gpu_checks import CHECKS, QUICK, Check, CheckError, device_counts, register_check
+from parallel_lib.gpu_checks import ch01_dp, ch02_allreduce, ch03_model_parallel, ch04_pipeline
+from parallel_lib.gpu_checks._reference import max_difference
+from parallel_lib.gpu_checks.ch00_setup import check_setup
+from parallel_lib.gpu_checks.ch05_hybrid import check_hybrid, hybrid_grid
 
 
 @pytest.mark.parametrize("n_devices, n_layers, expected", [
@@ -97,11 +92,19 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
         ("sharding", "06_sharded_data_parallel"),
         ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08_pipeline_schedules"), ("inference", "09_inference"),
         ("grid3d", "10_training_at_scale")]
-    monkeypatch.setattr(check_gpu, "CHECKS", dict(CHECKS))
+    monkeypatch.setattr(gpu_checks, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
     with pytest.raises(ValueError, match="a check named 'dp' is already registered"):
-        register_check("dp", check_gpu.CHECKS["dp"])
+        register_check("dp", gpu_checks.CHECKS["dp"])
+
+
+def test_each_check_lives_in_the_module_named_by_its_chapter_and_name():
+    modules = sorted(path.stem for path in Path(gpu_checks.__file__).parent.glob("ch*.py"))
+
+    assert [check.run.__module__ for check in CHECKS.values()] == [
+        f"parallel_lib.gpu_checks.ch{check.chapter[:2]}_{name}" for name, check in CHECKS.items()]
+    assert modules == [f"ch{check.chapter[:2]}_{name}" for name, check in CHECKS.items()]  # none unregistered
 
 
 def test_parse_args():
@@ -138,8 +141,8 @@ def fake_checks(monkeypatch):
             return f"table of {name}"
         return check
 
-    for name, check in list(check_gpu.CHECKS.items()):
-        monkeypatch.setitem(check_gpu.CHECKS, name, replace(check, run=fake(name)))
+    for name, check in list(gpu_checks.CHECKS.items()):
+        monkeypatch.setitem(gpu_checks.CHECKS, name, replace(check, run=fake(name)))
     monkeypatch.setattr(check_gpu, "environment_report", lambda: print("environment"))
     return calls
 
@@ -244,13 +247,13 @@ def test_max_difference_names_the_gradient_that_differs():
     close = (torch.tensor(1.0), {"w": torch.full((3,), 1e-7), "b": torch.zeros(2)})
     wrong = (torch.tensor(1.0), {"w": torch.zeros(3), "b": torch.tensor([0.0, 1e-3])})
 
-    assert gpu_checks._max_difference(expected, close, "2 devices") == pytest.approx(1e-7)
+    assert max_difference(expected, close, "2 devices") == pytest.approx(1e-7)
     with pytest.raises(CheckError, match=r"2 devices does not match the reference: b: Tensor-likes are not close"):
-        gpu_checks._max_difference(expected, wrong, "2 devices")
+        max_difference(expected, wrong, "2 devices")
 
 
 def test_model_parallel_check_on_cpu_devices():
-    table = check_gpu.check_model_parallel(2, quick=True)
+    table = ch03_model_parallel.check_model_parallel(2, quick=True)
 
     rows = [line for line in table.splitlines() if line.startswith("| cpu")]
     assert [row.split(" | ")[:2] for row in rows] == [["| cpu", "4"], ["| cpu, cpu", "2+2"]]
@@ -260,40 +263,40 @@ def test_model_parallel_check_on_cpu_devices():
 
 def test_pipeline_check_on_cpu_devices(monkeypatch):
     bench_configs, clocks = [], []
-    monkeypatch.setattr(gpu_checks.bench_pp, "run", lambda config: bench_configs.append(config) or "results")
-    monkeypatch.setattr(gpu_checks.bench_pp, "markdown", lambda results: f"pp table of {results}")
+    monkeypatch.setattr(ch04_pipeline.bench_pp, "run", lambda config: bench_configs.append(config) or "results")
+    monkeypatch.setattr(ch04_pipeline.bench_pp, "markdown", lambda results: f"pp table of {results}")
 
-    class RecordedClock(gpu_checks.DeviceClock):
+    class RecordedClock(ch04_pipeline.DeviceClock):
         def __init__(self, devices):
             super().__init__(devices)
             clocks.append([str(d) for d in self.devices])
 
-    monkeypatch.setattr(gpu_checks, "DeviceClock", RecordedClock)
+    monkeypatch.setattr(ch04_pipeline, "DeviceClock", RecordedClock)
 
-    text = check_gpu.check_pipeline(4, quick=True)
+    text = ch04_pipeline.check_pipeline(4, quick=True)
 
     for devices in ("cpu, cpu", "cpu, cpu, cpu, cpu"):
         for schedule in ("gpipe", "1f1b"):
             assert f"| {devices} | {schedule} | " in text
     rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert rows == [[f"| {p}", str(m)] for p in (2, 4) for m in check_gpu.QUICK.micro_batches]
-    assert text.endswith("pp table of results") and bench_configs == [gpu_checks.bench_pp.QUICK]
+    assert rows == [[f"| {p}", str(m)] for p in (2, 4) for m in QUICK.micro_batches]
+    assert text.endswith("pp table of results") and bench_configs == [ch04_pipeline.bench_pp.QUICK]
     # one clock per timed Pipe, waiting on the Pipe's own devices (here the CPU, named once)
-    assert clocks == [["cpu"]] * (2 * len(check_gpu.QUICK.micro_batches))
+    assert clocks == [["cpu"]] * (2 * len(QUICK.micro_batches))
 
 
 def test_dp_check_on_gloo_ranks(monkeypatch):
     bench_configs = []
-    monkeypatch.setattr(gpu_checks.bench_dp, "measure", lambda config: bench_configs.append(config) or "results")
-    monkeypatch.setattr(gpu_checks.bench_dp, "markdown", lambda results: f"dp table of {results}")
+    monkeypatch.setattr(ch01_dp.bench_dp, "measure", lambda config: bench_configs.append(config) or "results")
+    monkeypatch.setattr(ch01_dp.bench_dp, "markdown", lambda results: f"dp table of {results}")
 
-    text = check_gpu.check_dp(2, quick=True)
+    text = ch01_dp.check_dp(2, quick=True)
 
     for method in ("naive", "bucketed", "ring", "ddp"):
         assert f"| {method} | " in text and text.count(f"| {method} | ") == 1
     assert "Data parallel, 2 ranks on cpu .. cpu, 3 SGD steps" in text
     assert text.endswith("dp table of results")
-    assert [(c.world_size, c.steps) for c in bench_configs] == [(2, gpu_checks.bench_dp.QUICK.steps)]
+    assert [(c.world_size, c.steps) for c in bench_configs] == [(2, ch01_dp.bench_dp.QUICK.steps)]
 
 
 @pytest.mark.parametrize("max_error", [1e-6, 0.5, float("nan")])
@@ -304,20 +307,18 @@ def test_allreduce_check_fails_when_the_ring_disagrees(monkeypatch, max_error):
         configs.append(config)
         return types.SimpleNamespace(max_error=max_error)
 
-    monkeypatch.setattr(gpu_checks.bench_allreduce, "measure", measure)
-    monkeypatch.setattr(gpu_checks.bench_allreduce, "markdown", lambda results: "allreduce table")
+    monkeypatch.setattr(ch02_allreduce.bench_allreduce, "measure", measure)
+    monkeypatch.setattr(ch02_allreduce.bench_allreduce, "markdown", lambda results: "allreduce table")
 
     if max_error < 1e-3:
-        assert check_gpu.check_allreduce(4) == "allreduce table"
+        assert ch02_allreduce.check_allreduce(4) == "allreduce table"
     else:
         with pytest.raises(CheckError, match="ring_all_reduce differs from dist.all_reduce"):
-            check_gpu.check_allreduce(4)
+            ch02_allreduce.check_allreduce(4)
     assert [c.world_size for c in configs] == [4]
 
 
 def test_part_one_checks_run_on_cpu_ranks():
-    from parallel_lib.gpu_checks_part1 import check_hybrid, check_setup, hybrid_grid
-
     assert hybrid_grid(2) == [(1, 2), (2, 1)] and hybrid_grid(8) == [(2, 4), (4, 2), (8, 1)]
     assert "| tiny GPT-2, 10 steps | cpu | loss" in check_setup(2, quick=True)
     rows = [line.split(" | ") for line in check_hybrid(2, quick=True).splitlines() if line.startswith("| 1 x 2")

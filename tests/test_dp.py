@@ -144,9 +144,16 @@ def test_command_line_trains_saves_the_run_and_says_when_it_is_all_warm_up(capsy
 def test_every_clock_read_of_a_rank_waits_for_its_own_device(monkeypatch):
     import gc
 
+    import parallel_lib.common.timeline as timeline
     import parallel_lib.data_parallel.dp as dp
 
-    log = record_clock_reads(monkeypatch, dp)
+    log = record_clock_reads(monkeypatch)
+    # the recorder's stamps (phases, timeline) wait for nothing: CUDA events on a GPU, read after the step
+    # (tests/test_gpu_timeline.py), the host clock on a CPU; give its host reads a logged wait here, so
+    # that the log shows every clock read of the rank and no raw one
+    recorder = dp.TimelineRecorder
+    monkeypatch.setattr(dp, "TimelineRecorder", lambda device: recorder(
+        lambda: timeline.synchronize_devices([device]), device=device))
     raw_reads = []  # perf_counter read in dp.py itself, without a device sync (only the GC clock may)
     monkeypatch.setattr(dp, "time", type("Time", (), {"perf_counter": staticmethod(
         lambda: raw_reads.append(1) or 0.0)}))

@@ -19,7 +19,6 @@ from parallel_lib.data_parallel import single_process_reference
 from parallel_lib.hybrid import (
     HEAD_COPY,
     HybridConfig,
-    RankGrid,
     compare_with_reference,
     gather_state,
     run_hybrid,
@@ -118,26 +117,6 @@ def test_a_wait_that_never_ends_times_out_naming_the_rank_and_the_peer(launched)
                                   "micro-batch 0 from rank 2"), messages[3]
 
 
-def test_rank_grid_is_a_tensor_whose_rows_are_pipelines_and_columns_dp_groups():
-    grid = RankGrid(dp=3, pp=2)
-    torch.testing.assert_close(grid.ranks, torch.tensor([[0, 1], [2, 3], [4, 5]]))
-    assert [grid.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    assert grid.pipeline_ranks(1) == [2, 3] and grid.dp_ranks(1) == [1, 3, 5]
-    assert grid.tied_ranks(2) == [4, 5] and RankGrid(2, 1).tied_ranks(1) == [1]
-    assert str(RankGrid(2, 2)).splitlines()[1].split() == ["replica", "0", "rank", "0", "rank", "1"]
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dp=0), "dp must be an int >= 1, got dp=0"),
-    (dict(pp=1.5), "pp must be an int >= 1"),
-])
-def test_rank_grid_rejects_bad_sizes(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RankGrid(**{"dp": 1, "pp": 1, **kwargs})
-    with pytest.raises(ValueError, match="rank must be in"):
-        RankGrid(2, 2).coords(4)
-
-
 @pytest.mark.parametrize("change, match", [
     (dict(dp=3), r"dp \* pp must equal world_size=4, got dp=3 x pp=2 = 6"),
     (dict(dp=1, pp=4, model="nope"), "model must be one of"),
@@ -195,10 +174,13 @@ def p2p_calls_then_big_exchanges(rank, world_size):
     finally:
         dist.batch_isend_irecv = original
     schedule = make_schedule("1f1b", 2, 2)
-    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"))
+    group = dist.new_group([0, 1])
+    link = StageLink(None if rank == 0 else 0, 1 if rank == 0 else None, f"rank {rank}", 60.0, torch.device("cpu"),
+                     group=group)
     received = []
     for e in exchange_plan(schedule, rank):
-        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs, lambda m: (BIG,))
+        got = link.exchange([(m, torch.full((BIG,), _value(m))) for m in e.sends], e.recvs,
+                            lambda m: ((BIG,), torch.float32))
         received += [(m, t[0].item(), t[-1].item()) for m, t in zip(e.recvs, got)]
     return batches, received, link.bytes_sent
 
@@ -251,3 +233,22 @@ def test_bucketed_all_reduce_takes_a_group_or_a_custom_all_reduce_not_both():
     from parallel_lib.data_parallel import BucketedAllReduce
     with pytest.raises(ValueError, match="give all_reduce or group, not both"):
         BucketedAllReduce(nn.Linear(2, 2), all_reduce=lambda t: None, group=object())
+
+
+def test_a_stage_rank_moves_and_keeps_only_its_stage():
+    """GPU item 4: the replica is cut on the CPU and only the stage reaches the rank's device (here the meta
+    device, whose copies are counted); nothing else of the replica stays alive on the host. The old code moved
+    the whole replica to the device before cutting it."""
+    from _census import Moved, live_parameters
+
+    from parallel_lib.hybrid.dp_pp import _stage_of_replica
+    config = replace(BASE, dp=1, pp=2)
+    for j in range(2):
+        host_before = live_parameters("cpu")
+        with Moved() as moved:
+            module, tied, _, _, _ = _stage_of_replica(config, j, torch.device("meta"))
+        held = sum(t.numel() for t in [*module.parameters(), *module.buffers()])
+        assert moved.numel == held, j  # the device got the stage's tensors, nothing more
+        assert live_parameters("cpu") == host_before, j  # and the host kept nothing of the other stage
+        assert all(p.device.type == "meta" for p in module.parameters()) and len(tied) == 1
+        del module, tied

@@ -15,7 +15,6 @@ import torch
 
 from parallel_lib.hybrid.cost3d import expected_traffic, stage_parameters, stage_tensors, state_bytes, wire_bytes
 from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d_many
-from parallel_lib.hybrid.grid3d import Grid3D
 from parallel_lib.hybrid.layout3d import job_step_times, max_difference, measure_layout, reference_3d, summarize_layout
 from parallel_lib.runtime import launch
 from parallel_lib.runtime.collectives import ring_wire_bytes
@@ -39,31 +38,6 @@ SHAPE = GPTShape(4, 32, 4, 64, 128)  # tiny's 4 heads and 128 positions, narrowe
 def launched() -> dict[str, list]:
     per_rank = launch(run_3d_many, 8, list(CONFIGS.values()), threads_per_rank=1, timeout=300, startup_timeout=300)
     return {name: [results[k] for results in per_rank] for k, name in enumerate(CONFIGS)}
-
-
-def test_every_group_is_a_slice_and_tp_groups_are_neighbours():
-    grid = Grid3D(dp=2, tp=2, pp=2)
-    groups = grid.groups()
-    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbouring ranks: one node's fast links
-    assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert groups["tied"] == groups["pp"]  # two stages: first and last are the whole pipeline
-    megatron = Grid3D(dp=2, tp=2, pp=2, order="tp-dp-pp").groups()
-    assert megatron["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and megatron["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    for g in (grid, Grid3D(3, 2, 4), Grid3D(2, 4, 1, "tp-dp-pp")):
-        for kind in ("tp", "pp", "dp"):  # each kind partitions the ranks
-            assert sorted(r for ranks in g.groups()[kind] for r in ranks) == list(range(g.world_size))
-        for rank in range(g.world_size):
-            d, j, t = g.coords(rank)
-            assert g.ranks[d, j, t] == rank and rank in g.tp_ranks(d, j) and rank in g.dp_ranks(j, t)
-    assert "stage 1 [6 7]" in str(grid)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dp=0, tp=1, pp=1), "dp"), (dict(dp=1, tp=2, pp=1, order="pp-tp-dp"), "order")])
-def test_a_bad_grid_is_refused(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Grid3D(**kwargs)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -131,3 +105,43 @@ def test_the_planner_gets_the_slowest_step_the_fullest_rank_and_the_busiest_send
     fullest = max(stage_parameters(SHAPE, 2, 2, j == 0, j == 1, 2) for j in range(2))  # the embedding's stage
     assert state == state_bytes(fullest, config.optimizer)
     assert traffic["dp"] == 2 * (2 - 1) / 2 * 4 * fullest and traffic["pp"] == 2 * 2 * 8 * 32 * 4  # m=2 (2, 8, 32)
+
+
+def _stage_census(rank: int, world_size: int) -> dict:
+    """One pure-PP rank (tp=1): its run with the shard's other stages freed and with them kept, then the census
+    of building stage ``rank`` of a TP shard onto the meta device."""
+    import torch.distributed as dist
+    from _census import Moved, live_parameters
+
+    from parallel_lib.common.models import build_gpt2
+    from parallel_lib.hybrid.dp_tp_pp import _stage_on_device, run_3d
+    from parallel_lib.tensor_parallel.convert import tensor_parallelize
+    config = Config3D(dp=1, tp=1, pp=2, n_layer=4, n_embd=32, vocab_size=64, seq_len=8, batch_size=4, micro_batches=2,
+                      steps=2, optimizer="sgd", lr=0.5, timeout=60.0)
+    freed, kept = run_3d(rank, world_size, config), run_3d(rank, world_size, replace(config, return_state=True))
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    try:
+        shard = tensor_parallelize(build_gpt2("tiny", 64, 0, n_layer=4, n_embd=32), groups[rank], dropout_seed=0)
+        whole = sum(p.numel() for p in shard.parameters())
+        host_before = live_parameters("cpu") - whole  # what the process holds besides the shard
+        with Moved() as moved:
+            stage = _stage_on_device(shard, rank, world_size, torch.device("meta"), keep_shard=False)
+        del shard
+        return dict(losses=(freed.record.losses, kept.record.losses), state_bytes=(freed.state_bytes, kept.state_bytes),
+                    whole=whole, moved=moved.numel,
+                    held=sum(t.numel() for t in [*stage.parameters(), *stage.buffers()]),
+                    host_left=live_parameters("cpu") - host_before)
+    finally:
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
+def test_a_pipeline_rank_holds_only_its_stage_of_the_tp_shard():
+    """GPU item 4: run_3d used to move the whole TP shard to the stage's device and keep it alive (the stage
+    refers to the shard). Now only the stage's tensors reach the device, the shard's other stages are freed,
+    and training is unchanged (the same losses as a run that keeps the shard for return_state)."""
+    for rank, census in enumerate(launch(_stage_census, 2, threads_per_rank=1, timeout=240, startup_timeout=240)):
+        assert census["losses"][0] == pytest.approx(census["losses"][1], nan_ok=True), rank  # NaN: not the last stage
+        assert census["state_bytes"][0] == census["state_bytes"][1], rank
+        assert census["moved"] == census["held"] < census["whole"], rank  # the device got the stage, nothing more
+        assert census["host_left"] == 0, rank  # and nothing of the other stage stays alive on the host

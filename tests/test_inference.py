@@ -160,3 +160,15 @@ def test_the_pipeline_schedule_visits_every_groups_steps_round_by_round():
     assert sorted(schedule) == sorted((t, g) for g, n in enumerate(steps) for t in range(n))
     assert group_requests(5, 2, 8) == [range(0, 3), range(3, 5)]
     assert group_requests(5, 2, 2) == [range(0, 2), range(2, 4), range(4, 5)]  # the cache caps a group
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_engine_serves_a_16_bit_model_with_a_16_bit_cache(model, dtype):
+    # the stages run the model's own blocks in its dtype (they were rebuilt as fp32 layers before)
+    half = CONFIG.build().to(dtype)
+    engine = Engine.single(half, max_batch=4, max_len=20)
+    results = engine.generate([Request(p, 4) for p in PROMPTS[:4]])
+    assert all(r.ok and len(r.tokens) == 4 for r in results)
+    c = half.config
+    assert engine.kv_bytes() == kv_cache_bytes(c.n_layer, c.n_head, c.n_embd // c.n_head, 20, 4, itemsize=2)
+    assert all(t.dtype == dtype for t in engine.caches[0].tensors())

@@ -74,3 +74,23 @@ def test_the_command_line_refuses_bad_input_before_any_rank_starts(argv, message
         main(argv)
     assert excinfo.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps, p", [([5, 4, 3], 2), ([3, 3], 3), ([4], 2), ([2, 6, 1, 3], 4)])
+def test_generation_runs_as_a_forward_only_schedule_whose_exchanges_complete_under_nccl_rules(steps, p):
+    """Step t of stage s is model stage t*p + s; the last stage's tokens are stage 0's next input; a finished
+    group sends nothing on; the plan the runtime runs passes find_deadlock."""
+    from parallel_lib.inference.pipeline import generation_pipeline, generation_schedule
+    from parallel_lib.pipeline_parallel.link import find_deadlock, plan_exchanges
+
+    schedule = generation_pipeline(steps, p)
+    items = generation_schedule(steps)
+    for s in range(p):
+        assert [(a.stage, a.micro_batch) for a in schedule.stages[s]] == [(t * p + s, g) for t, g in items]
+    plans = plan_exchanges(schedule)
+    assert find_deadlock(schedule, plans=plans) is None
+    sent = [m for plan in plans for e in plan for m in e.sends]
+    tokens = [m for m in sent if m.stage % p == 0]  # the last stage's tokens, back to stage 0
+    assert sorted((m.micro_batch, m.stage // p) for m in tokens) == \
+        sorted((g, t) for g, n in enumerate(steps) for t in range(1, n))  # every step but a group's first
+    assert len(sent) == sum(n * p - 1 for n in steps)  # every hand-over of every step, none after a group's last

@@ -285,16 +285,26 @@ def test_validate_schedule_refuses_zero_stages_or_micro_batches():
         validate_schedule(Schedule("empty", 2, 0, ((), ())))
 
 
-def test_each_stage_waits_only_on_its_own_device(monkeypatch):
-    """GPU timing structure, checked on the CPU: a task synchronises its stage's device, no other."""
-    synced = []
-    monkeypatch.setattr(worker_module, "synchronize_devices", lambda devices: synced.append(list(devices)))
-    recorder = worker_module.TimelineRecorder()
-    task = Task(1, Action("F", 0), lambda: 7, True, recorder, device=torch.device("cuda", 1))
+def test_each_stage_is_timed_by_events_on_its_own_device_without_waiting(monkeypatch):
+    """GPU timing structure, checked on the CPU: a task stamps CUDA events on its stage's device only,
+    and nothing synchronises (waiting would put the stages in lockstep and hide the pipeline's overlap)."""
+    from _fake_cuda import install
+
+    cuda = install(monkeypatch)
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    recorder = worker_module.TimelineRecorder(event_devices=gpus)
+    zeros = len(cuda.events)
+    task = Task(1, Action("F", 0), lambda: 7, True, recorder, device=gpus[1])
     assert task.run() == 7
-    assert synced == [[torch.device("cuda", 1)]] * 2  # before the start stamp and before the end stamp
+    assert cuda.synchronized == ["cuda:0", "cuda:1"]  # the zero only, before the step
+    assert [str(e.stream.device) for e in cuda.events[zeros:]] == ["cuda:1"] * 2  # start and end
+    (event,) = recorder.events  # read after the step
+    assert (event.lane, event.kind, event.micro_batch) == ("stage 1", "forward", 0)
+    with pytest.raises(ValueError, match="device=cuda:0 is not timed by this recorder"):
+        Task(0, Action("F", 0), lambda: 7, True, worker_module.TimelineRecorder(), device=gpus[0]).run()
     with Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [0, 1]) as pipe:
         assert pipe.timeline._synchronize is None  # no recorder-wide sync of every stage's GPU
+        assert pipe.timeline.event_devices == [d for d in pipe.devices if d.type == "cuda"]
 
 
 def test_scatter_and_gather_handle_tuples_and_short_batches():

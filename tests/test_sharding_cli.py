@@ -43,7 +43,7 @@ def test_a_stage_outside_0_to_3_is_refused_by_the_command_line():
 
 
 def test_the_gpu_check_of_chapter_06_runs_on_cpu_ranks():
-    from parallel_lib.gpu_checks_part2 import check_sharding
+    from parallel_lib.gpu_checks.ch06_sharding import check_sharding
 
     out = check_sharding(2, quick=True)  # gloo ranks on the CPU: the same code as NCCL ranks on GPUs
     for variant in ("ZeRO-0", "ZeRO-3 ring", "ZeRO-3 prefetch", "ZeroRedundancyOptimizer", "FSDP2"):

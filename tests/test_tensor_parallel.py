@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import _workers
+
 from parallel_lib.common import build_gpt2, gpt2_config
 from parallel_lib.runtime import launch
 from parallel_lib.tensor_parallel import (
@@ -152,3 +154,9 @@ def test_pytorch_dtensor_split_gives_the_same_outputs_and_the_pitfall_shows_ther
     for r in launch(dtensor_check, 2, TPConfig(), backend="gloo", timeout=120):
         assert r["logits"] < TOL and r["loss"] < TOL and r["c_attn_grad"] < TOL, r
         assert r["naive_logits"] > 1e-2  # ColwiseParallel on the fused c_attn as stored: wrong heads
+
+
+def test_many_runs_in_one_launch_leave_no_process_groups_behind():
+    """Each run's mesh destroys the groups it made (before the mesh, every run added 2 + dp + tp groups)."""
+    before, between, after = launch(_workers.tp_runs_leave_no_groups, 4, TPConfig(tp=2, steps=1), timeout=180)[0]
+    assert before == between == after

@@ -129,10 +129,10 @@ def test_cuda_event_stamps_are_recorded_on_each_devices_stream_and_resolved_once
     cpu_start = rec.stamp(torch.device("cpu"))
     assert isinstance(cpu_start, float)  # the host clock, as before
     rec.add_stamped("cpu", "forward", 0, cpu_start, rec.stamp(None), "host")
-    assert [e.lane for e in rec.events] == ["cpu"]  # GPU intervals wait for resolve()
+    assert [e.lane for e in rec._events] == ["cpu"]  # GPU intervals wait for resolve()
     assert len(cuda.recorded_on("cuda:0")) == len(cuda.recorded_on("cuda:1")) == 3
     assert cuda.synchronized == ["cuda:0", "cuda:1"]  # stamping never waits for a device
-    events = rec.resolve()
+    events = rec.events  # reading the events after the step resolves them
     assert events is rec.events and cuda.synchronized[2:] == ["cuda:0", "cuda:1"]
     assert sorted(e.lane for e in events) == ["cpu", "device 0", "device 1"]
     assert [e.start for e in events] == sorted(e.start for e in events)

@@ -38,9 +38,9 @@ def test_cli_refuses_a_world_size_tp_does_not_divide():
 
 
 def test_gpu_check_runs_on_cpu_devices_and_reports_equivalence():
-    from parallel_lib import check_gpu
+    from parallel_lib.gpu_checks.ch07_tensor_parallel import check_tensor_parallel
 
-    table = check_gpu.check_tensor_parallel(2, quick=True)
+    table = check_tensor_parallel(2, quick=True)
     rows = [line for line in table.splitlines() if line.startswith("| 2 | 1 |")]
     assert [row.split(" | ")[2] for row in rows] == ["no", "yes"]
     assert all(float(row.split(" | ")[3]) < 1e-3 for row in rows)

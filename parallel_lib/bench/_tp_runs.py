@@ -12,13 +12,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.data_parallel.ring import fit_allreduce_cost
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.tensor_parallel.convert import tensor_parallelize
-from parallel_lib.tensor_parallel.gpt2 import sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.train import saved_activation_bytes
 
 __all__ = ["Run", "IMPLEMENTATIONS", "timed_steps", "allreduce_fit", "measure_all"]
@@ -63,10 +62,7 @@ def timed_steps(rank: int, world_size: int, impl: str, name: str, vocab: int, ov
         with count_collectives() as counter:
             optimizer.zero_grad(set_to_none=True)
             logits, saved = saved_activation_bytes(model, ids, None)
-            if getattr(model, "vocab_parallel", False):
-                loss = model.loss(logits, labels, weights)
-            else:
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss = model.loss(logits, labels, weights)  # the head's: vocabulary-parallel or whole
             loss.backward()
             sync_sequence_parallel_grads(model)
             optimizer.step()

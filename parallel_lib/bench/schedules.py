@@ -78,7 +78,7 @@ def _pct(x: Optional[float]) -> str:
 def process_times(config: Config) -> dict[tuple[str, int], float]:
     """Median step seconds over gloo processes, p = 2, for every (schedule, m)."""
     runs = [ProcessConfig(schedule=name, micro_batches=m, width=config.width, blocks=config.blocks, rows=config.batch,
-                          timeout=120.0, deferred_sends=name in ("interleaved", "zbv", "dualpipev"))
+                          timeout=120.0)
             for m in config.micro_batches for name in config.names] * (config.repeats + 1)
     results = launch(run_pipeline_ranks, 2, runs, backend="gloo", timeout=1800.0)
     times: dict[tuple[str, int], list[float]] = {}

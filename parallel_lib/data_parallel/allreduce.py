@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.common.timeline import TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import Stamp, TimelineRecorder
 from parallel_lib.data_parallel.ring import require_process_group
 
 __all__ = ["grad_or_zeros", "average_gradients", "BucketedAllReduce"]
@@ -46,15 +46,6 @@ def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
-
-
-def _completes_when_reduced(device: torch.device) -> bool:
-    """Whether an async all-reduce's future completes only once the sums are in the buffer.
-
-    True for gloo on the CPU. NCCL completes the future when the kernel is queued on the
-    GPU, so a timer must wait on the work and then synchronise the device instead.
-    """
-    return device.type == "cpu"
 
 
 def average_gradients(model: nn.Module) -> None:
@@ -84,8 +75,8 @@ class _Bucket:
     work: Optional[Any] = None                # the async all-reduce in flight, if any
     stamped: Optional[Any] = None             # a future done once ``end`` is set (gloo: from the work's callback)
     launched: bool = False
-    start: float = 0.0                        # recorder times of the all-reduce (with a recorder)
-    end: Optional[float] = None
+    start: Stamp = 0.0                        # recorder stamps of the all-reduce (with a recorder)
+    end: Optional[Stamp] = None
 
 
 class BucketedAllReduce:
@@ -110,14 +101,18 @@ class BucketedAllReduce:
             step (the number of earlier synchronize calls) and label "b<bucket index>". The
             ``recorder`` attribute may be changed between steps (None: record nothing).
             Completion means the sums are in the bucket on its device: on a CPU, when gloo
-            completes the work; on a GPU, after waiting on the work and then synchronising
-            the bucket's device (NCCL completes a work's future when its kernel is queued).
+            completes the work (its future's callback reads the host clock); on a GPU, a CUDA
+            event that waits for the all-reduce alone (:meth:`TimelineRecorder.stamp_done`;
+            NCCL completes a work's future when its kernel is queued, so it dates nothing),
+            read after the step: nothing synchronises the device. A GPU rank's recorder is
+            ``TimelineRecorder(device=<the rank's GPU>)``.
         group: the process group to average over (default: every rank), e.g. the ranks that
             hold the same pipeline stage in data parallelism over pipelines (chapter 05).
 
     Raises:
         ValueError: ``bucket_cap_mb`` not positive, a model without trainable parameters, or
-            both ``all_reduce`` and ``group`` (a custom all-reduce picks its ranks itself).
+            both ``all_reduce`` and ``group`` (a custom all-reduce picks its ranks itself);
+            at the first bucket, a recorder that does not time the GPU the buckets live on.
     """
 
     def __init__(self, model: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True,
@@ -177,26 +172,26 @@ class BucketedAllReduce:
             offset += n
         recorder = self.recorder
         if recorder:
-            bucket.start, bucket.end = recorder.now(), None
+            device = bucket.buffer.device
+            if device.type == "cuda" and recorder.device != device:
+                raise ValueError(f"the recorder times device={recorder.device}, the buckets live on {device}: "
+                                 f"build it with TimelineRecorder(device={str(device)!r})")
+            bucket.start, bucket.end = recorder.stamp(), None  # a GPU: when the compute stream got here
         if self._all_reduce is None:  # [2] reduce: in the background; synchronize() waits
             bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            if recorder and _completes_when_reduced(bucket.buffer.device):
+            if recorder:
+                bucket.end = recorder.stamp_done(bucket.work)  # a GPU: an event once the all-reduce has run
+            if recorder and bucket.end is None:  # a CPU: gloo completes the future once the sums are in
                 # the callback runs when the all-reduce completes, not when synchronize() looks
                 def stamp(_: Any) -> None:
                     bucket.end = recorder.now()
 
                 bucket.stamped = bucket.work.get_future().then(stamp)
         else:
-            self._all_reduce(bucket.buffer)  # blocking on the host; its messages may still be queued on a GPU
+            self._all_reduce(bucket.buffer)  # blocking on the host; on a GPU it made the current stream wait
             if recorder:
-                self._stamp_end(bucket, recorder)
+                bucket.end = recorder.stamp()
         bucket.launched = True
-
-    @staticmethod
-    def _stamp_end(bucket: _Bucket, recorder: TimelineRecorder) -> None:
-        """The bucket's end time: its device has run everything queued so far, the reduction included."""
-        synchronize_devices([bucket.buffer.device])  # this rank's device only
-        bucket.end = recorder.now()
 
     def synchronize(self) -> None:
         """Finish every bucket's all-reduce and write the mean gradients back into ``.grad``.
@@ -215,10 +210,9 @@ class BucketedAllReduce:
                 if self.recorder:
                     if bucket.stamped is not None:
                         bucket.stamped.wait()  # the callback that set ``end`` has finished
-                    if bucket.end is None:  # not stamped on completion: a GPU bucket
-                        self._stamp_end(bucket, self.recorder)
-                    self.recorder.add(f"rank {dist.get_rank()} comm", "comm", self.steps, bucket.start,
-                                      bucket.end, f"b{i}")
+                    if bucket.end is not None:  # None: launched before the recorder was set
+                        self.recorder.add_stamped(f"rank {dist.get_rank()} comm", "comm", self.steps, bucket.start,
+                                                  bucket.end, f"b{i}")
                 bucket.buffer /= world_size
                 offset = 0
                 for p in bucket.params:  # [3] unpack: the mean back into each gradient
@@ -229,7 +223,7 @@ class BucketedAllReduce:
         finally:  # the next backward starts with empty buckets, also after an error
             for bucket in self.buckets:
                 bucket.ready.clear()
-                bucket.work = bucket.stamped = None
+                bucket.work = bucket.stamped = bucket.end = None
                 bucket.launched = False
 
     def __call__(self, model: Optional[nn.Module] = None) -> None:

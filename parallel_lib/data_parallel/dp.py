@@ -15,10 +15,19 @@ method computes is then exactly the gradient of the global batch's token mean.
 :func:`~parallel_lib.data_parallel.dp_reference.single_process_reference` trains one process on those global batches with
 the plain ``parallel_lib.common.training.train`` loop, and the two agree to float precision.
 
-**Timing.** Every clock read first waits for this rank's own device
-(:class:`~parallel_lib.common.timeline.DeviceClock`): CUDA kernels run asynchronously, so
-without it "compute" would end when backward was queued and "sync" would absorb the rest.
-Per step, :attr:`DPResult.local` records the phases data, compute, sync, optimizer and gc.
+**Timing.** Per step, :attr:`DPResult.local` records the phases data, compute, sync,
+optimizer and gc. CUDA kernels run asynchronously, so a host clock alone would end "compute"
+when backward was queued, and synchronising the device between phases would stall the host
+and hide the overlap the step has. So the phase boundaries are stamps of the rank's
+:class:`~parallel_lib.common.timeline.TimelineRecorder`: on a GPU, CUDA events on the stream
+that computes, read once the step has ended (its loss read waits for it anyway): "compute"
+ends when the device has run backward, "sync" is the all-reduce time backward did not hide,
+and "data" is the time the device waited for the batch (0 when loading overlapped the
+previous step's kernels). On a CPU they are host clock readings. The timeline of the first
+``timeline_steps`` steps is stamped the same way (a bucket's all-reduce ends when it has run,
+see :class:`~parallel_lib.data_parallel.allreduce.BucketedAllReduce`), so it shows the
+all-reduces overlapping backward as they did. Epoch times wait for the device
+(:class:`~parallel_lib.common.timeline.DeviceClock`), between epochs.
 
 Run from a notebook with ``launch(run_dp, world_size, DPConfig(...))``, or from a shell
 (:mod:`parallel_lib.data_parallel.cli`)::
@@ -43,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lib.common.checks import check_choice
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2
-from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord, evaluate, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.partition import partition_dataset
@@ -184,8 +193,8 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
     net, sync = _sync_method(config, model, device)
     loader = partition_dataset(rank, world_size, pairs, batch_size=config.batch_size, collate_fn=collate,
                                seed=config.data_seed)
-    clock = DeviceClock([device])  # this rank's device only: another rank's GPU is not ours to wait for
-    recorder = TimelineRecorder(partial(synchronize_devices, [device]))
+    clock = DeviceClock([device])  # epochs; this rank's device only: another rank's GPU is not ours to wait for
+    recorder = TimelineRecorder(device=device)  # phases and timeline; a GPU: CUDA events on its streams
     lane = f"rank {rank}"
     local, epoch_times = TrainRecord(), []
     if config.timeline_steps and world_size > 1:
@@ -199,9 +208,9 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
             epoch_start = clock()
             batches = iter(loader)
             for _ in range(min(len(loader), config.max_steps or len(loader))):
-                t0 = clock()
+                t0 = recorder.stamp()  # no wait inside the step: read once it has ended
                 batch = next(batches)
-                t1 = clock()
+                t1 = recorder.stamp()
                 local_tokens = int(batch["label_token_weights"].sum().item())
                 denominator = torch.tensor(float(local_tokens), dtype=torch.float64, device=device)
                 # [1] the global token count, so that the mean is global. Sent now and awaited
@@ -222,13 +231,14 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
                     loss = weighted_cross_entropy(logits, batch["labels"], batch["label_token_weights"], denominator)
                 with recorder.record(lane, "backward", global_step) if traced else nullcontext():
                     loss.backward()  # [2] ddp and overlapping buckets start all-reducing in here
-                t2 = clock()  # backward has run on the device, not only been queued
+                t2 = recorder.stamp()  # a GPU: when backward has run on the device, not when it was queued
                 if sync is not None:
                     sync(model)  # [3] the other methods all-reduce here; overlapping ones only wait
-                t3 = clock()
+                t3 = recorder.stamp()
                 optimizer.step()
-                t4 = clock()
-                loss_sum = loss.item() * denominator.item()  # this rank's sum of ce * weight
+                t4 = recorder.stamp()
+                loss_sum = loss.item() * denominator.item()  # this rank's sum of ce * weight; the step is over
+                t0, t1, t2, t3, t4 = (recorder.seconds(t) for t in (t0, t1, t2, t3, t4))
                 local.append(loss_sum / max(local_tokens, 1), local_tokens, t4 - t1,
                              dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, gc_clock.take()))))
             epoch_times.append(clock() - epoch_start)

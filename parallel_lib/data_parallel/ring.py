@@ -178,15 +178,16 @@ def _inbox(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _run_steps(flat: torch.Tensor, steps: Sequence[RingStep], bounds: Sequence[tuple[int, int]],
-               timeout: Optional[float]) -> None:
+               timeout: Optional[float], group: Any = None) -> None:
     """Execute ``steps`` on ``flat`` in place; ring chunk ``c`` lives at ``flat[bounds[c][0]:bounds[c][1]]``.
 
     Each step is one ``batch_isend_irecv``: this rank's send to its right-hand neighbour
     and its receive from the left-hand one, cut into segments so that adding a received
     segment overlaps the next still arriving (gloo returns one work per segment; NCCL may
-    return one work for the whole batch, then the adds wait for all of it).
+    return one work for the whole batch, then the adds wait for all of it). Ranks in ``steps``
+    are ranks of ``group``; a message goes to the peer's global rank.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     longest = max((stop - start for start, stop in bounds), default=0)
     inbox = _inbox(longest, flat.dtype, flat.device)  # reduce-scatter receives here, then adds
     segment = max(1, _SEGMENT_BYTES // flat.element_size())
@@ -198,8 +199,9 @@ def _run_steps(flat: torch.Tensor, steps: Sequence[RingStep], bounds: Sequence[t
         target = inbox[:r1 - r0] if reducing else flat[r0:r1]
         # an empty chunk (numel < world_size) has no segments, for sender and receiver alike
         sent, received = _segments(s0, s1, segment), _segments(r0, r1, segment)
-        ops = ([dist.P2POp(dist.isend, flat[a:b], send.dst) for a, b in sent]
-               + [dist.P2POp(dist.irecv, target[a - r0:b - r0], recv.src) for a, b in received])
+        dst, src = _global(group, send.dst), _global(group, recv.src)
+        ops = ([dist.P2POp(dist.isend, flat[a:b], dst, group) for a, b in sent]
+               + [dist.P2POp(dist.irecv, target[a - r0:b - r0], src, group) for a, b in received])
         if not ops:
             continue
         works = dist.batch_isend_irecv(ops)  # [1] one batch per step: sends and receives together
@@ -216,8 +218,14 @@ def _run_steps(flat: torch.Tensor, steps: Sequence[RingStep], bounds: Sequence[t
             work.wait(**wait)
 
 
-def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks in place, like ``dist.all_reduce(tensor)``, by ring messages only.
+def _global(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (None: the whole world)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None, group: Any = None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` in place, like ``dist.all_reduce(tensor, group=group)``,
+    by ring messages only.
 
     Every rank executes the same :func:`ring_steps` record, one ``batch_isend_irecv``
     per step: it sends one chunk right and receives one from the left, then adds
@@ -227,6 +235,7 @@ def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> to
         tensor: contiguous tensor on this rank's device (CPU for gloo, the current GPU for NCCL),
             same shape and dtype on every rank. Overwritten with the sum.
         timeout: seconds to wait for each step's messages; default: the process group's timeout.
+        group: the ranks to sum over (a mesh axis's group, e.g. ``pm.group("dp")``); None: every rank.
 
     Returns:
         ``tensor`` itself, now holding the element-wise sum over ranks.
@@ -237,16 +246,17 @@ def ring_all_reduce(tensor: torch.Tensor, timeout: Optional[float] = None) -> to
     """
     _check_collective_input(tensor)
     flat = tensor.view(-1)
-    world_size = dist.get_world_size()
-    _run_steps(flat, ring_steps(world_size, flat.numel()), ring_chunks(world_size, flat.numel()), timeout)
+    world_size = dist.get_world_size(group)
+    _run_steps(flat, ring_steps(world_size, flat.numel()), ring_chunks(world_size, flat.numel()), timeout, group)
     return tensor
 
 
-def _shard_input(output: object, input: object, what: str, full: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _shard_input(output: object, input: object, what: str, full: str, group: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Check the (output, input) pair of a ring half; ``full`` names the unsharded one. Returns the shard size."""
     out = _check_collective_input(output, "output", what)
     inp = _check_collective_input(input, "input", what)
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     whole, part = (inp, out) if full == "input" else (out, inp)
     if out.dtype != inp.dtype or whole.numel() != part.numel() * world_size:
         raise ValueError(f"{what}: {full} must hold world_size={world_size} times the shard's elements in the "
@@ -261,37 +271,40 @@ def _rank_order_bounds(world_size: int, shard: int) -> list[tuple[int, int]]:
     return [(((c - 1) % world_size) * shard, ((c - 1) % world_size + 1) * shard) for c in range(world_size)]
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, timeout: Optional[float] = None,
+                        group: Any = None) -> torch.Tensor:
     """``output`` = chunk ``rank`` of the sum of ``input`` over ranks, by the ring's reduce-scatter phase only.
 
-    Same contract as ``dist.reduce_scatter_tensor(output, input)``: ``input`` holds
-    ``world_size`` equal chunks and is left unchanged; ``output`` gets this rank's summed chunk.
+    Same contract as ``dist.reduce_scatter_tensor(output, input, group=group)``: ``input`` holds
+    one equal chunk per rank of ``group`` (None: every rank) and is left unchanged; ``output``
+    gets this rank's summed chunk.
 
     Raises:
         RuntimeError: no process group, or messages that did not arrive within ``timeout`` seconds.
         TypeError, ValueError: not tensors, not contiguous, not on this rank's device, or sizes that
             do not match (``input.numel() == world_size * output.numel()``).
     """
-    out, inp, shard = _shard_input(output, input, "ring_reduce_scatter", "input")
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    out, inp, shard = _shard_input(output, input, "ring_reduce_scatter", "input", group)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     work = inp.clone()  # the ring adds into its buffer; the caller's input stays as it was
     steps = [s for s in ring_steps(world_size, work.numel()) if s.phase == "reduce-scatter"]
-    _run_steps(work, steps, _rank_order_bounds(world_size, shard), timeout)
+    _run_steps(work, steps, _rank_order_bounds(world_size, shard), timeout, group)
     out.copy_(work[rank * shard:(rank + 1) * shard])
     return output
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, timeout: Optional[float] = None) -> torch.Tensor:
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, timeout: Optional[float] = None,
+                    group: Any = None) -> torch.Tensor:
     """``output`` = every rank's ``input`` in rank order, by the ring's all-gather phase only.
 
-    Same contract as ``dist.all_gather_into_tensor(output, input)``.
+    Same contract as ``dist.all_gather_into_tensor(output, input, group=group)``.
 
     Raises:
         The same errors as :func:`ring_reduce_scatter` (here ``output`` is the unsharded tensor).
     """
-    out, inp, shard = _shard_input(output, input, "ring_all_gather", "output")
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    out, inp, shard = _shard_input(output, input, "ring_all_gather", "output", group)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     out[rank * shard:(rank + 1) * shard].copy_(inp)
     steps = [s for s in ring_steps(world_size, out.numel()) if s.phase == "all-gather"]
-    _run_steps(out, steps, _rank_order_bounds(world_size, shard), timeout)
+    _run_steps(out, steps, _rank_order_bounds(world_size, shard), timeout, group)
     return output

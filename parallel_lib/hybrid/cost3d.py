@@ -117,6 +117,6 @@ def state_bytes(parameters: int, optimizer: str, tensors: int = 0) -> int:
     return parameters * FLOAT * (2 + states[optimizer]) + (FLOAT * tensors if optimizer == "adamw" else 0)
 
 
-def group_sizes(grid: Any) -> dict[str, int]:
-    """Ranks per group kind of a :class:`~parallel_lib.hybrid.grid3d.Grid3D` (2 for send/recv and tied)."""
-    return {"tp": grid.tp, "pp": 2, "dp": grid.dp, "tied": 2}
+def group_sizes(mesh: Any) -> dict[str, int]:
+    """Ranks per group kind of a :class:`~parallel_lib.runtime.mesh.Mesh` (2 for send/recv and tied)."""
+    return {"tp": mesh.tp, "pp": 2, "dp": mesh.dp, "tied": 2}

@@ -5,13 +5,13 @@ model; a pipeline (chapter 04) splits the model but one batch keeps only p devic
 busy, minus the bubble. Combined, ``dp`` replicas of a ``pp``-stage pipeline use
 ``dp * pp`` ranks. The layout is a tensor, and every group is a slice of it::
 
-    grid = torch.arange(world_size).reshape(dp, pp)    # grid[d, j]: stage j of replica d
+    mesh = Mesh(dp=dp, pp=pp)      # mesh.ranks[d, j]: stage j of replica d (arange(world) reshaped)
 
     dp=2, pp=2      stage 0   stage 1
-      replica 0        0         1      <- grid[0, :]: one pipeline, activations via send/recv
-      replica 1        2         3      <- grid[1, :]
+      replica 0        0         1      <- mesh.peers("pp", 0): one pipeline, activations via send/recv
+      replica 1        2         3      <- mesh.peers("pp", 2)
                        ^         ^
-              grid[:, 0] = [0, 2]   grid[:, 1] = [1, 3]: the same stage in every replica,
+         mesh.peers("dp", 0) = [0, 2]   mesh.peers("dp", 1) = [1, 3]: the same stage in every replica,
               whose process group averages that stage's gradients (and nothing else)
 
 Each rank runs ``schedule.stages[j]``, the very action list that the threaded
@@ -23,14 +23,16 @@ use; only the hand-overs are messages instead of Python objects::
     B(i): g = recv(from b);         <------  backward(z, grad_z); send(x.grad, to a)
           backward(y, g)
 
-Each stage runs like a stage of ``Pipe``, with the same
+Each rank runs its actions with the loop a stage thread of ``Pipe`` runs
+(:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), with the same
 :class:`~parallel_lib.pipeline_parallel.stage.StageRunner`. Between two actions it sends
 what the last one produced and receives what the next one needs in ONE
-``dist.batch_isend_irecv`` (:class:`~parallel_lib.pipeline_parallel.link.StageLink`): with
+``dist.batch_isend_irecv`` on the replica's pipeline group ``pm.group("pp")``
+(:class:`~parallel_lib.pipeline_parallel.transports.ProcessLink`): with
 NCCL a large send waits for its receive, and unpaired sends of two neighbours would wait
 for each other forever (:func:`~parallel_lib.pipeline_parallel.link.find_deadlock` shows
 it). No tags: messages between two ranks match in order. Every wait has a timeout and
-names what it waited for. A training step on rank ``grid[d, j]``:
+names what it waited for. A training step on rank ``mesh.rank_at(dp=d, pp=j)``:
 
 [1] load replica d's share of the global batch (``partition_dataset``, chapter 01)
     and all-reduce its target-token count over the stage's dp group;
@@ -42,7 +44,7 @@ names what it waited for. A training step on rank ``grid[d, j]``:
 
 One process training on the same global batches gets the same parameters:
 :func:`~parallel_lib.hybrid.results.compare_with_reference` checks it against
-``dp.single_process_reference``. The grid and its groups are in :mod:`parallel_lib.hybrid.grid`,
+``dp.single_process_reference``. The layout and its groups are the :class:`~parallel_lib.runtime.mesh.Mesh`,
 steps [3] and [4] in :mod:`parallel_lib.hybrid.gradients`, results in :mod:`parallel_lib.hybrid.results`.
 """
 
@@ -51,27 +53,29 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallel_lib.common.models import GPT2_SIZES
-from parallel_lib.common.timeline import DeviceClock, TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import DeviceClock, TimelineRecorder
 from parallel_lib.common.training import TrainRecord, weighted_cross_entropy
 from parallel_lib.data.partition import partition_dataset
 from parallel_lib.data_parallel.dp import DPConfig, prepare_replica
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.hybrid.gradients import StageGradients
-from parallel_lib.hybrid.grid import RankGrid, new_groups
 from parallel_lib.hybrid.results import HEAD_COPY, HybridResult
 from parallel_lib.model_parallel.memory import memory_report
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
-from parallel_lib.pipeline_parallel.link import Message, StageLink, exchange_plan, wait_for
-from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
-from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
+from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Action, Schedule, make_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
+from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.mesh import Mesh, RankMesh
 
 __all__ = ["HybridConfig", "run_hybrid", "run_hybrid_many"]
 
@@ -106,12 +110,17 @@ class HybridConfig:
                         pad_to_max_length=self.pad_to_max_length, optimizer=self.optimizer, lr=self.lr,
                         seed=self.seed, data_seed=self.data_seed)
 
+    @property
+    def mesh(self) -> Mesh:
+        """The layout: ``dp`` replicas (slowest axis) of ``pp`` stages."""
+        return Mesh(dp=self.dp, pp=self.pp)
+
     def check(self, world_size: Optional[int] = None) -> None:
         """Raise ValueError, naming the field, for a run that cannot work (before starting ranks)."""
-        grid = RankGrid(self.dp, self.pp)
-        if world_size is not None and world_size != grid.world_size:
+        mesh = self.mesh
+        if world_size is not None and world_size != mesh.world_size:
             raise ValueError(f"dp * pp must equal world_size={world_size}, got dp={self.dp} x pp={self.pp} = "
-                             f"{grid.world_size}")
+                             f"{mesh.world_size}")
         if self.model not in GPT2_SIZES:
             raise ValueError(f"model must be one of {sorted(GPT2_SIZES)}, got model={self.model!r}")
         layers = GPT2_SIZES[self.model]["n_layer"]
@@ -134,83 +143,64 @@ class HybridConfig:
 
 
 class _Stage:
-    """One rank's stage for one step: runs its actions, exchanging tensors with its neighbours [2]."""
+    """One rank's stage: runs its actions each step with the one pipeline runtime, over its pipeline group [2]."""
 
-    def __init__(self, module: nn.Module, grid: RankGrid, rank: int, hidden: int, config: HybridConfig,
+    def __init__(self, module: nn.Module, pm: RankMesh, hidden: int, config: HybridConfig,
                  recorder: TimelineRecorder, device: torch.device) -> None:
         self.config, self.recorder, self.hidden = config, recorder, hidden
-        self.rank, (self.d, self.j) = rank, grid.coords(rank)
-        row = grid.pipeline_ranks(self.d)
-        self.first, self.last = self.j == 0, self.j == grid.pp - 1
-        self.lane = f"rank {rank}: replica {self.d}, stage {self.j}"
-        self.who = f"rank {rank} (replica {self.d}, stage {self.j})"
+        self.rank, self.d, self.j = pm.rank, pm.index("dp"), pm.index("pp")
+        self.row = pm.peers("pp")
+        self.first, self.last = self.j == 0, self.j == pm.size("pp") - 1
+        self.lane = f"rank {pm.rank}: replica {self.d}, stage {self.j}"
+        self.who = f"rank {pm.rank} (replica {self.d}, stage {self.j})"
         self.runner = StageRunner(module, device, first=self.first)
-        self.link = StageLink(None if self.first else row[self.j - 1], None if self.last else row[self.j + 1],
-                              self.who, config.timeout, device)
+        self.dtype = next(module.parameters()).dtype  # every stage's hidden states: the model's dtype
+        self.link = StageLink(None, None, self.who, config.timeout, device, group=pm.group("pp"))
         self.traced = False  # record events during this step
 
     def record(self, kind: str, micro_batch: Optional[int], label: str = "") -> Any:
         return self.recorder.record(self.lane, kind, micro_batch, label) if self.traced else nullcontext()
+
+    def _timed(self, action: Action, compute: Callable[[], Any]) -> Any:
+        with self.record(action.event_kind, action.micro_batch):
+            return compute()
 
     def step(self, schedule: Schedule, ids: Tensor, labels: Tensor, weights: Tensor, denominator: Tensor
              ) -> tuple[float, int]:
         """Forward and backward of one replica batch; returns (loss share on the last stage, peak held)."""
         m = schedule.num_micro_batches
         ids_mb, labels_mb, weights_mb = (torch.tensor_split(t, m) for t in (ids, labels, weights))
-        shape = lambda message: (*ids_mb[message.micro_batch].shape, self.hidden)  # noqa: E731  (rows, T, C)
-        actions = schedule.stages[self.j]
-        exchanges = {e.before: e for e in exchange_plan(schedule, self.j)}  # sends of k-1 + receives of k
-        saved: dict[int, Any] = {}  # i -> what the stage's backward of micro-batch i needs
-        inbox: dict[Message, Tensor] = {}
-        outbox: dict[Message, Tensor] = {}
-        loss, peak, self.link.bytes_sent = 0.0, 0, 0
-        for k in range(len(actions) + 1):
-            if k in exchanges:  # one batch_isend_irecv, waited on with a timeout
-                e = exchanges[k]
-                received = self.link.exchange([(msg, outbox.pop(msg)) for msg in e.sends], e.recvs, shape)
-                inbox.update(zip(e.recvs, received))
-            if k == len(actions):
-                break
-            i = actions[k].micro_batch
-            if actions[k].kind == "F":
-                x = ids_mb[i] if self.first else inbox.pop(Message("activation", i))
-                lm_loss = (lambda logits, i=i: weighted_cross_entropy(logits, labels_mb[i], weights_mb[i],
-                                                                        denominator)) if self.last else None
-                with self.record("forward", i):
-                    saved[i], y = self.runner.forward(x, lm_loss)  # y: hidden states (rows, T, C), or the loss
-                if self.last:
-                    loss += y.item()
-                else:
-                    outbox[Message("activation", i)] = y
-                peak = max(peak, len(saved))
-            else:
-                grad = None if self.last else inbox.pop(Message("gradient", i))
-                with self.record("backward", i):
-                    grad_x = self.runner.backward(saved.pop(i), grad)
-                if not self.first:
-                    outbox[Message("gradient", i)] = grad_x
-        return loss, peak
+        lm_loss = lambda i: partial(weighted_cross_entropy, labels=labels_mb[i], weights=weights_mb[i],  # noqa: E731
+                                    denominator=denominator)
+        # (rows, T, C) in the model's dtype, as the sending stage makes it
+        spec = lambda message: ((*ids_mb[message.micro_batch].shape, self.hidden), self.dtype)  # noqa: E731
+        stages = RankStages(schedule, self.j, {self.j: self.runner}, ids_mb, loss=lm_loss, timed=self._timed)
+        self.link.bytes_sent = 0
+        run_actions(schedule, self.j, stages, ProcessLink(schedule, self.j, self.link, self.row, spec))
+        return stages.loss_sum(), stages.peak
 
 
-def _stage_of_replica(config: HybridConfig, grid: RankGrid, j: int, device: torch.device
+def _stage_of_replica(config: HybridConfig, j: int, device: torch.device
                       ) -> tuple[nn.Module, list[nn.Parameter], dict[int, str], int, Any]:
-    """Stage j of the replica (the other stages' weights are not kept), with what training it needs.
+    """Stage j of the replica, alone on ``device`` (the replica is built on the CPU and cut first), with what
+    training it needs.
 
     Returns:
         The stage module, its copies of the tied embedding, parameter names by id (by the
         unsplit model's names), the hidden width and the collate function and pairs.
     """
-    model, _, pairs, collate = prepare_replica(config.dp_config(), device)
-    names = {id(p): name for name, p in model.named_parameters()}
-    stages = gpt2_stages(model, [device] * grid.pp)
-    module = stages[j].to(device)
-    mine = {id(p) for p in module.parameters()}
-    tied = [p for pair in stages.tied_parameters for p in pair if id(p) in mine]
-    return module, tied, names, model.config.n_embd, (pairs, collate)
+    model, _, pairs, collate = prepare_replica(config.dp_config(), torch.device("cpu"))
+    unsplit = {id(p): name for name, p in model.named_parameters()}
+    stages = gpt2_stages(model, ["cpu"] * config.pp)
+    tied_ids = {id(p) for pair in stages.tied_parameters for p in pair}
+    module = move_stage(stages[j], device)  # only this stage's layers reach the device; the others are dropped here
+    names = {id(p): unsplit.get(id(p), HEAD_COPY) for p in module.parameters()}
+    tied = [p for p in module.parameters() if id(p) in tied_ids]
+    return module, tied, names, model.config.n_embd, (pairs, partial(collate, device=device))
 
 
 def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()) -> HybridResult:
-    """Train stage j of replica d, for ``grid[d, j] == rank``; the worker function for ``launch``.
+    """Train stage j of replica d, for ``config.mesh.rank_at(dp=d, pp=j) == rank``; the worker for ``launch``.
 
     Args:
         rank: this rank, in ``[0, world_size)``.
@@ -228,53 +218,55 @@ def run_hybrid(rank: int, world_size: int, config: HybridConfig = HybridConfig()
     """
     require_process_group("run_hybrid")
     config.check(world_size)
-    grid = RankGrid(config.dp, config.pp)
-    d, j = grid.coords(rank)
-    dp_groups, tied_groups = new_groups(grid, config.timeout)
-    try:
-        device = rank_device()
-        module, tied, names, hidden, (pairs, collate) = _stage_of_replica(config, grid, j, device)
-        params = list(module.parameters())
-        optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
-        clock = DeviceClock([device])  # this rank's device only
-        recorder = TimelineRecorder(partial(synchronize_devices, [device]) if device.type == "cuda" else None)
-        stage = _Stage(module, grid, rank, hidden, config, recorder, device)
-        gradients = StageGradients(module, tied, tied_groups[d] if len(tied) == 1 else None, dp_groups[j], grid.dp,
-                                   stage.who, config.timeout, stage.record)
-        # NCCL: the first p2p call in a group must involve every rank of it; a barrier sets the
-        # communicator up first (cheap on gloo)
-        wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: start-up barrier")
-        schedule = make_schedule(config.schedule, grid.pp, config.micro_batches)
-        batches = iter(partition_dataset(d, grid.dp, pairs, batch_size=config.batch_size, collate_fn=collate,
-                                         seed=config.data_seed))
-        record, peak = TrainRecord(), 0
-        for step in range(config.steps):
-            batch = next(batches)  # [1] the same replica batch on every stage of replica d
-            stage.traced = step == config.timeline_step
-            if stage.traced:  # every rank's clock starts at (nearly) the same moment
-                wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: barrier before step {step}")
-                recorder.reset()
-            start = clock()
-            count = batch["label_token_weights"].sum().to(torch.float64)
-            wait_for(dist.all_reduce(count, group=dp_groups[j], async_op=True), config.timeout,
-                     f"{stage.who}: token count of step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            # [2] the global token count / dp: the dp group's mean gradient is the global token mean's
-            loss, held = stage.step(schedule, batch["input_ids"], batch["labels"], batch["label_token_weights"],
-                                    count / grid.dp)
-            gradients.synchronize()  # [3] and [4]
-            optimizer.step()  # [5]
-            record.append(loss if stage.last else float("nan"), int(count.item()), clock() - start)
-            peak = max(peak, held)
-        state = ({names.get(id(p), HEAD_COPY): p.detach().cpu().clone() for p in params}
-                 if config.return_state else None)
-        return HybridResult(rank, d, j, config, record, stage.link.bytes_sent, gradients.bytes_dp,
-                            gradients.bytes_tied,
-                            sum(row.total for row in memory_report(module, optimizer).values()),
-                            sum(p.numel() for p in params), peak, state, list(recorder.events))
-    finally:  # a later run in the same ranks makes new groups
-        for group in dp_groups + tied_groups:
-            dist.destroy_process_group(group)
+    with config.mesh.build(config.timeout) as pm:  # every group, made once; destroyed when the run ends
+        try:
+            return _run_hybrid(pm, config)
+        finally:
+            leave_together(pm.group("pp"), config.timeout)
+
+
+def _run_hybrid(pm: RankMesh, config: HybridConfig) -> HybridResult:
+    d, j, dp = pm.index("dp"), pm.index("pp"), pm.size("dp")
+    device = rank_device()
+    module, tied, names, hidden, (pairs, collate) = _stage_of_replica(config, j, device)
+    params = list(module.parameters())
+    optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
+    clock = DeviceClock([device])  # this rank's device only
+    recorder = TimelineRecorder(device=device)  # a GPU: CUDA events, read with recorder.events
+    stage = _Stage(module, pm, hidden, config, recorder, device)
+    gradients = StageGradients(module, tied, pm.group("tied") if len(tied) == 1 else None, pm.group("dp"), dp,
+                               stage.who, config.timeout, stage.record)
+    # NCCL: the first p2p call in a group must involve every rank of it; a barrier sets the
+    # communicator up first (cheap on gloo)
+    wait_for(dist.barrier(group=pm.group("pp"), async_op=True), config.timeout, f"{stage.who}: start-up barrier")
+    schedule = make_schedule(config.schedule, config.pp, config.micro_batches)
+    batches = iter(partition_dataset(d, dp, pairs, batch_size=config.batch_size, collate_fn=collate,
+                                     seed=config.data_seed))
+    record, peak = TrainRecord(), 0
+    for step in range(config.steps):
+        batch = next(batches)  # [1] the same replica batch on every stage of replica d
+        stage.traced = step == config.timeline_step
+        if stage.traced:  # every rank's clock starts at (nearly) the same moment
+            wait_for(dist.barrier(async_op=True), config.timeout, f"{stage.who}: barrier before step {step}")
+            recorder.reset()
+        start = clock()
+        count = batch["label_token_weights"].sum().to(torch.float64)
+        wait_for(dist.all_reduce(count, group=pm.group("dp"), async_op=True), config.timeout,
+                 f"{stage.who}: token count of step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        # [2] the global token count / dp: the dp group's mean gradient is the global token mean's
+        loss, held = stage.step(schedule, batch["input_ids"], batch["labels"], batch["label_token_weights"],
+                                count / dp)
+        gradients.synchronize()  # [3] and [4]
+        optimizer.step()  # [5]
+        record.append(loss if stage.last else float("nan"), int(count.item()), clock() - start)
+        peak = max(peak, held)
+    state = ({names.get(id(p), HEAD_COPY): p.detach().cpu().clone() for p in params}
+             if config.return_state else None)
+    return HybridResult(pm.rank, d, j, config, record, stage.link.bytes_sent, gradients.bytes_dp,
+                        gradients.bytes_tied,
+                        sum(row.total for row in memory_report(module, optimizer).values()),
+                        sum(p.numel() for p in params), peak, state, list(recorder.events))
 
 
 def run_hybrid_many(rank: int, world_size: int, configs: Sequence[HybridConfig]) -> list[HybridResult]:

@@ -1,14 +1,14 @@
 """DP × TP × PP: replicas of a pipeline whose stages are split by heads, on ``dp·tp·pp`` ranks.
 
-Rank ``grid.ranks[d, j, t]`` (:class:`~parallel_lib.hybrid.grid3d.Grid3D`) holds slice t
+Rank ``mesh.rank_at(dp=d, pp=j, tp=t)`` (:class:`~parallel_lib.runtime.mesh.Mesh`) holds slice t
 of stage j of replica d (:class:`~parallel_lib.hybrid.tp_stages.TensorParallelStage`). A
 training step on it:
 
 [1] take replica d's rows of the global batch (every rank generates the same batches);
 [2] run stage j's actions of the schedule (GPipe or 1F1B, chapter 04's ``make_schedule``)
-    with chapter 05's :class:`~parallel_lib.pipeline_parallel.stage.StageRunner` and
-    :class:`~parallel_lib.pipeline_parallel.link.StageLink` (one ``batch_isend_irecv`` per
-    exchange, with slice t of the neighbouring stages); inside each forward and backward the
+    with the one pipeline runtime (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`,
+    chapter 05's :class:`~parallel_lib.pipeline_parallel.stage.StageRunner`, one
+    ``batch_isend_irecv`` per exchange on the pipeline group of slice t); inside each forward and backward the
     tensor-parallel group of the stage all-reduces as chapter 07 does;
 [3] sum the tied embedding's gradient between first and last stage of slice t, then
     average the stage's gradients over its data-parallel group: chapter 05's
@@ -24,7 +24,7 @@ from the tensors (:func:`~parallel_lib.model_parallel.memory.memory_report`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,14 +36,16 @@ from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.hybrid.gradients import StageGradients
-from parallel_lib.hybrid.grid3d import Grid3D, new_groups_3d
 from parallel_lib.hybrid.tp_stages import TensorParallelStage, dense_state, stage_loss
 from parallel_lib.model_parallel.memory import memory_report
-from parallel_lib.pipeline_parallel.link import Message, StageLink, exchange_plan, wait_for
+from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
+from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, Schedule, make_schedule
-from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
+from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
 from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.mesh import Mesh, RankMesh
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
 
@@ -71,19 +73,19 @@ class Config3D:
     steps: int = 2
     seed: int = 0
     timeout: float = 60.0           # seconds any one receive or collective may wait
-    order: str = "tp-pp-dp"         # the grid's axis order, fastest first
+    order: str = "tp-pp-dp"         # the mesh's axis order, fastest first ("tp-dp-pp": Megatron-LM's)
     return_state: bool = False      # gather the trained parameters (dense names) on slice 0 of each stage
 
     @property
-    def grid(self) -> Grid3D:
-        return Grid3D(self.dp, self.tp, self.pp, self.order)
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, order=self.order)
 
     def check(self, world_size: Optional[int] = None) -> None:
         """Raise ValueError, naming the field, for a run that cannot work (before any rank starts)."""
-        grid = self.grid
-        if world_size is not None and world_size != grid.world_size:
+        mesh = self.mesh
+        if world_size is not None and world_size != mesh.world_size:
             raise ValueError(f"dp * tp * pp must equal world_size={world_size}, got {self.dp} x {self.tp} x "
-                             f"{self.pp} = {grid.world_size}")
+                             f"{self.pp} = {mesh.world_size}")
         check_choice("model", self.model, sorted(GPT2_SIZES))
         check_choice("schedule", self.schedule, sorted(SCHEDULES))
         check_choice("optimizer", self.optimizer, ["adamw", "sgd"])
@@ -138,13 +140,12 @@ class Result3D:
         return self.record.step_times
 
 
-def _by_group(counter: CollectiveCounter, grid: Grid3D, coords: tuple[int, int, int]
+def _by_group(counter: CollectiveCounter, pm: RankMesh
               ) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, float]]:
     """Sort one step's calls by the group they ran in: a group is known by its ranks."""
-    d, j, t = coords
-    kinds = {tuple(grid.tp_ranks(d, j)): "tp", tuple(grid.dp_ranks(j, t)): "dp"}
-    if grid.pp > 1:
-        kinds[tuple(grid.tied_ranks(d, t))] = "tied"
+    kinds = {tuple(pm.peers("tp")): "tp", tuple(pm.peers("dp")): "dp"}
+    if pm.size("pp") > 1:
+        kinds[tuple(pm.peers("tied"))] = "tied"
     traffic: dict[str, dict[str, tuple[int, int]]] = {"tp": {}, "pp": {}, "dp": {}, "tied": {}}
     wire = dict.fromkeys(traffic, 0.0)
     for call in counter.calls:
@@ -155,43 +156,37 @@ def _by_group(counter: CollectiveCounter, grid: Grid3D, coords: tuple[int, int, 
     return traffic, wire
 
 
-def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, schedule: Schedule, j: int,
-          batch: dict[str, torch.Tensor], denominator: float, recompute: bool) -> float:
-    """Stage j's actions for one replica batch [2]; returns the loss share on the last stage (0 elsewhere)."""
+def _step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, pipeline: list[int], schedule: Schedule,
+          j: int, batch: dict[str, torch.Tensor], denominator: float, recompute: bool) -> float:
+    """Stage j's actions for one replica batch [2], with the one pipeline runtime; the loss share on the last stage."""
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
-    shape = lambda message: (*ids[message.micro_batch].shape, stage.model.config.n_embd)  # noqa: E731
-    exchanges = {e.before: e for e in exchange_plan(schedule, j)}
-    actions = schedule.stages[j]
-    saved: dict[int, Any] = {}
-    inbox: dict[Message, torch.Tensor] = {}
-    outbox: dict[Message, torch.Tensor] = {}
-    loss = 0.0
-    for k in range(len(actions) + 1):
-        if k in exchanges:  # what the last action produced out, what the next one needs in
-            e = exchanges[k]
-            inbox.update(zip(e.recvs, link.exchange([(msg, outbox.pop(msg)) for msg in e.sends], e.recvs, shape)))
-        if k == len(actions):
-            return loss
-        i = actions[k].micro_batch
-        if actions[k].kind == "F":
-            x = ids[i] if stage.first else inbox.pop(Message("activation", i))
-            fn = stage_loss(stage, labels[i], weights[i], denominator) if stage.last else None
-            saved[i], y = runner.forward(x, fn, recompute=recompute)
-            if stage.last:
-                loss += float(y)
-            else:
-                outbox[Message("activation", i)] = y
-        else:
-            grad = None if stage.last else inbox.pop(Message("gradient", i))
-            grad_x = runner.backward(saved.pop(i), grad)
-            if not stage.first:
-                outbox[Message("gradient", i)] = grad_x
-    return loss
+    dtype = next(stage.parameters()).dtype  # the hidden states every stage sends: the model's dtype
+    spec = lambda message: (stage.hidden_shape(*ids[message.micro_batch].shape), dtype)  # noqa: E731  (1/tp under SP)
+    loss = (lambda i: stage_loss(stage, labels[i], weights[i], denominator)) if stage.last else None
+    stages = RankStages(schedule, j, {j: runner}, ids, loss=loss, recompute=lambda i: recompute)
+    run_actions(schedule, j, stages, ProcessLink(schedule, j, link, pipeline, spec))
+    return stages.loss_sum()
+
+
+def _stage_on_device(shard: nn.Module, j: int, pp: int, device: torch.device, keep_shard: bool) -> TensorParallelStage:
+    """Stage j of this rank's TP shard, alone on ``device``: the shard is cut on the CPU and only the stage moves.
+
+    The stage refers to the whole shard (for its config, group and mask); the other stages' blocks
+    are freed (moved to the meta device) unless ``keep_shard`` (``return_state`` gathers the whole shard).
+    """
+    stage = move_stage(TensorParallelStage(shard, j, pp), device)
+    if not keep_shard:
+        mine = {id(p) for p in stage.parameters()}
+        for module in shard.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) not in mine:
+                    setattr(module, name, nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False))
+    return stage
 
 
 def run_3d(rank: int, world_size: int, config: Config3D = Config3D()) -> Result3D:
-    """Train slice t of stage j of replica d, for ``grid.ranks[d, j, t] == rank``; the worker for ``launch``.
+    """Train slice t of stage j of replica d, ``config.mesh.rank_at(dp=d, pp=j, tp=t)``; the worker for ``launch``.
 
     Raises:
         ValueError: a config that does not fit ``world_size`` or the model (named in the message).
@@ -200,45 +195,49 @@ def run_3d(rank: int, world_size: int, config: Config3D = Config3D()) -> Result3
     """
     require_process_group("run_3d")
     config.check(world_size)
-    grid = config.grid
-    d, j, t = coords = grid.coords(rank)
-    who = f"rank {rank} (replica {d}, stage {j}, slice {t})"
-    groups = new_groups_3d(grid, rank, config.timeout)
-    try:
-        device = rank_device()
-        dense = build_gpt2(config.model, config.vocab_size, config.seed, **model_overrides(config))
-        stage = TensorParallelStage(tensor_parallelize(dense, groups.tp, dropout_seed=config.seed).to(device), j,
-                                    grid.pp)
-        stage.train()
-        params = list(stage.parameters())
-        optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
-        runner = StageRunner(stage, device, first=stage.first)
-        row = grid.pp_ranks(d, t)
-        link = StageLink(row[j - 1] if j > 0 else None, row[j + 1] if j < grid.pp - 1 else None, who,
-                         config.timeout, device)
-        gradients = StageGradients(stage, stage.tied, groups.tied, groups.dp, grid.dp, who, config.timeout)
-        wait_for(dist.barrier(async_op=True), config.timeout, f"{who}: start-up barrier")
-        schedule = make_schedule(config.schedule, grid.pp, config.micro_batches)
-        record, clock = TrainRecord(), DeviceClock([device])
-        for step, batch in enumerate(batches_3d(config)):
-            denominator = float(batch["label_token_weights"].sum()) / grid.dp  # the dp mean divides by dp again
-            mine = {k: v.chunk(grid.dp)[d].to(device) for k, v in batch.items()}  # [1]
-            start = clock()
-            with count_collectives() as counter:
-                optimizer.zero_grad(set_to_none=True)
-                loss = _step(stage, runner, link, schedule, j, mine, denominator, config.recompute)  # [2]
-                gradients.synchronize()  # [3]
-                optimizer.step()  # [4]
-            record.append(loss / grid.dp if stage.last else float("nan"),
-                          int(batch["label_token_weights"].sum()), clock() - start)
-        traffic, wire = _by_group(counter, grid, coords)
-        state = dense_state(stage, grid.pp, gather_dense(stage.model)) if config.return_state else {}
-        return Result3D(rank, coords, config, record, traffic, wire,
-                        sum(row.total for row in memory_report(nn.Sequential(stage), optimizer).values()),
-                        sum(p.numel() for p in params), list(stage.blocks_index), state if t == 0 else {})
-    finally:  # a later run in the same ranks makes new groups
-        for group in groups.made:
-            dist.destroy_process_group(group)
+    with config.mesh.build(config.timeout) as pm:  # every group, made once; destroyed when the run ends
+        try:
+            return _run_3d(pm, config)
+        finally:
+            leave_together(pm.group("pp"), config.timeout)
+
+
+def _run_3d(pm: RankMesh, config: Config3D) -> Result3D:
+    d, j, t = coords = pm.index("dp"), pm.index("pp"), pm.index("tp")
+    dp, pp = pm.size("dp"), pm.size("pp")
+    who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
+    device = rank_device()
+    dense = build_gpt2(config.model, config.vocab_size, config.seed, **model_overrides(config))
+    stage = _stage_on_device(tensor_parallelize(dense, pm.group("tp"), dropout_seed=config.seed), j, pp, device,
+                             keep_shard=config.return_state)
+    del dense
+    stage.train()
+    params = list(stage.parameters())
+    optimizer = (torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD)(params, lr=config.lr)
+    runner = StageRunner(stage, device, first=stage.first)
+    pipeline = pm.peers("pp")
+    link = StageLink(None, None, who, config.timeout, device, group=pm.group("pp"))
+    gradients = StageGradients(stage, stage.tied, pm.group("tied") if pp > 1 else None, pm.group("dp"), dp, who,
+                               config.timeout)
+    wait_for(dist.barrier(group=pm.group("pp"), async_op=True), config.timeout, f"{who}: start-up barrier")
+    schedule = make_schedule(config.schedule, pp, config.micro_batches)
+    record, clock = TrainRecord(), DeviceClock([device])
+    for step, batch in enumerate(batches_3d(config)):
+        denominator = float(batch["label_token_weights"].sum()) / dp  # the dp mean divides by dp again
+        mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [1]
+        start = clock()
+        with count_collectives() as counter:
+            optimizer.zero_grad(set_to_none=True)
+            loss = _step(stage, runner, link, pipeline, schedule, j, mine, denominator, config.recompute)  # [2]
+            gradients.synchronize()  # [3]
+            optimizer.step()  # [4]
+        record.append(loss / dp if stage.last else float("nan"), int(batch["label_token_weights"].sum()),
+                      clock() - start)
+    traffic, wire = _by_group(counter, pm)
+    state = dense_state(stage, pp, gather_dense(stage.model)) if config.return_state else {}
+    return Result3D(pm.rank, coords, config, record, traffic, wire,
+                    sum(row.total for row in memory_report(nn.Sequential(stage), optimizer).values()),
+                    sum(p.numel() for p in params), list(stage.blocks_index), state if t == 0 else {})
 
 
 def run_3d_many(rank: int, world_size: int, configs: Sequence[Config3D]) -> list[Result3D]:

@@ -43,7 +43,7 @@ def train_3d(dp: int, tp: int, pp: int, model: str = "tiny", steps: int = 2, mic
     config = Config3D(dp=dp, tp=tp, pp=pp, model=model, steps=steps, micro_batches=micro_batches,
                       schedule=schedule, recompute=recompute, **fields)
     config.check()
-    return launch(run_3d, config.grid.world_size, config, threads_per_rank=1, timeout=timeout,
+    return launch(run_3d, config.mesh.world_size, config, threads_per_rank=1, timeout=timeout,
                   startup_timeout=startup_timeout)
 
 

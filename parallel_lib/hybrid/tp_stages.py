@@ -1,9 +1,10 @@
 """A pipeline stage made of tensor-parallel layers: chapter 07's shard, cut as chapter 04 cuts GPT-2.
 
 Every rank builds the same dense GPT-2, splits it by heads for its tensor-parallel group
-(:func:`~parallel_lib.tensor_parallel.tensor_parallelize`) and keeps the blocks of its
-pipeline stage (:func:`~parallel_lib.pipeline_parallel.microbatch.split_layers`, the
-balance chapters 04 and 05 use)::
+(:func:`~parallel_lib.tensor_parallel.tensor_parallelize`, the one GPT-2 of
+:mod:`parallel_lib.models` with chapter 07's parts swapped in) and runs the blocks of its
+pipeline stage (:func:`~parallel_lib.pipeline_parallel.microbatch.split_layers`, the balance
+chapters 04 and 05 use): a slice of ``model.transformer.h`` plus the ends::
 
     stage 0:      ids  -> vocab-parallel embedding (g) + positions -> blocks[0:k]          -> hidden
     stage j:      hidden -> blocks[...]                                                     -> hidden
@@ -24,13 +25,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from parallel_lib.models.attention import allowed_keys
+from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.pipeline_parallel.microbatch import split_layers
 from parallel_lib.tensor_parallel import regions as R
-from parallel_lib.tensor_parallel.gpt2 import TensorParallelGPT2
-from parallel_lib.tensor_parallel.vocab import vocab_parallel_cross_entropy
+from parallel_lib.tensor_parallel.vocab import VocabParallelHead, vocab_parallel_cross_entropy
 
 __all__ = ["TensorParallelStage", "stage_blocks", "stage_loss", "owned_names", "dense_state"]
 
@@ -41,68 +42,82 @@ def stage_blocks(n_layer: int, pp: int) -> list[list[int]]:
 
 
 class TensorParallelStage(nn.Module):
-    """Stage ``j`` of ``pp`` of a :class:`TensorParallelGPT2` shard; ``forward`` maps ids or hidden states on.
+    """Stage ``j`` of ``pp`` of a tensor-parallel GPT-2; ``forward`` maps ids or hidden states on.
 
     Args:
-        model: this rank's shard of the whole model (only the stage's layers are kept as modules).
+        model: this rank's shard of the whole model (the one GPT-2 after ``parallelize_tp``; only
+            the stage's layers are kept as modules).
         j: the stage.
         pp: number of stages.
 
     Attributes:
         tied: this stage's copy of the tied embedding (first stage: the embedding, last stage:
             the head's copy; empty in between and when one stage holds both, which share one parameter).
+
+    Raises:
+        ValueError: ``model`` is not split by ``parallelize_tp`` with ``vocab_parallel=True``.
     """
 
-    def __init__(self, model: TensorParallelGPT2, j: int, pp: int) -> None:
+    def __init__(self, model: GPT2, j: int, pp: int) -> None:
         super().__init__()
-        if model.sequence_parallel:
-            raise ValueError("a pipeline stage of a sequence-parallel model is not supported: pass "
-                             "sequence_parallel=False to tensor_parallelize")
+        info = getattr(model, "tp_info", None)
+        if info is None or not info.vocab_parallel:
+            raise ValueError("model must be tensor-parallel (tensor_parallelize or parallelize_tp) with "
+                             "vocab_parallel=True")
         self.first, self.last = j == 0, j == pp - 1
-        self.blocks_index = stage_blocks(len(model.h), pp)[j]
-        self.h = nn.ModuleList(model.h[k] for k in self.blocks_index)
+        t = model.transformer
+        self.blocks_index = stage_blocks(len(t.h), pp)[j]
+        self.h = nn.ModuleList(t.h[k] for k in self.blocks_index)
         self._model = [model]  # in a list: not registered, its other stages' layers are not ours
         self.tied: list[nn.Parameter] = []
         if self.first:
-            self.wte, self.wpe = model.wte, model.wpe
+            self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
         if self.last:
-            self.ln_f = model.ln_f
-            if self.first:
-                self.head = model.wte.weight  # one stage: the head IS the embedding
-            else:
-                self.head = nn.Parameter(model.wte.weight.detach().clone())
+            self.ln_f = t.ln_f
+            self.head = model.lm_head  # one stage: the head IS the embedding
+            if not self.first:
+                self.head = VocabParallelHead(t.wte)
+                self.head.weight = nn.Parameter(t.wte.weight.detach().clone())  # the last stage's own copy
         if pp > 1:
-            self.tied = [self.wte.weight] if self.first else [self.head] if self.last else []
+            self.tied = [self.wte.weight] if self.first else [self.head.weight] if self.last else []
 
     @property
-    def model(self) -> TensorParallelGPT2:
+    def model(self) -> GPT2:
         return self._model[0]
 
+    def hidden_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
+        """The hidden states a stage hands on for ``batch`` sequences of ``seq_len`` tokens.
+
+        ``(batch, seq_len, n_embd)``, or ``seq_len / tp`` tokens under sequence parallelism:
+        each rank then holds its slice of the sequence between blocks, and so between stages.
+        """
+        info = self.model.tp_info
+        return batch, seq_len // (info.tp if info.sequence_parallel else 1), self.model.config.n_embd
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        model = self.model
+        info = self.model.tp_info
+        # the whole sequence's length: under sequence parallelism the hidden states between blocks,
+        # and so between stages, hold this rank's 1/tp of it (the embedding reduce-scatters into it)
+        s = x.shape[1] if self.first or not info.sequence_parallel else x.shape[1] * info.tp
         if self.first:
-            with R.region_label("embedding"):
-                positions = torch.arange(x.shape[1], device=x.device)
-                x = self.wte(x) + self.wpe(positions)
+            x = self.model.transformer.embed(x)  # the model's own embedding (this stage's wte, wpe, drop)
         # causal only: the batches are right-padded, so a real token never sees padding, and
         # padded positions carry zero loss weight
-        mask_bias = model._mask_bias(x.shape[1], None, x.dtype, x.device)
+        allowed = allowed_keys(s, None, x.device)
         for block in self.h:
-            x = block(x, mask_bias, model)
-        if self.last:
-            with R.region_label("head"):
-                x = R.copy_to_tensor_parallel_region(self.ln_f(x), model.group)
-                x = F.linear(x, self.head)  # (b, s, V/t): my vocabulary slice's logits
+            x = block(x, allowed)
+        if self.last:  # f, or the all-gather of the sequence, then my vocabulary slice's logits (b, s, V/t)
+            x = self.head(self.ln_f(x))
         return x
 
 
 def stage_loss(stage: TensorParallelStage, labels: torch.Tensor, weights: torch.Tensor,
                denominator: float) -> Any:
     """The last stage's loss function for one micro-batch: ``sum(ce · w) / denominator``, logits never gathered."""
-    model = stage.model
+    info = stage.model.tp_info
 
     def loss(logits: torch.Tensor, labels: torch.Tensor = labels, weights: torch.Tensor = weights) -> torch.Tensor:
-        ce = vocab_parallel_cross_entropy(logits, labels, model.vocab_start, model.group)
+        ce = vocab_parallel_cross_entropy(logits, labels, info.vocab_start, info.group)
         return (ce * weights.to(ce.dtype)).sum() / denominator
 
     return loss
@@ -131,5 +146,5 @@ def dense_state(stage: TensorParallelStage, pp: int, gathered: Optional[nn.Modul
         return {}
     state = {k: v.detach().clone() for k, v in gathered.state_dict().items()}
     if stage.last and pp > 1:
-        state["lm_head.weight"] = R._all_gather(stage.head.detach(), 0, stage.model.group).cpu().clone()
+        state["lm_head.weight"] = R._all_gather(stage.head.weight.detach(), 0, stage.model.tp_info.group).cpu().clone()
     return {name: state[name] for name in owned_names(stage, pp)}

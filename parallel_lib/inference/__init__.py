@@ -2,7 +2,7 @@
 
 - :mod:`.kv_cache`: the preallocated per-layer K/V tensors and their census;
 - :mod:`.batch`: requests, results, one group's plan (slots, positions, masks) and sampling;
-- :mod:`.stage`: a piece of GPT-2 (layers, maybe split by heads) and the one attention;
+- :mod:`.stage`: a piece of the one GPT-2 (its blocks, maybe split by heads) with the ends;
 - :mod:`.engine`: prefill then decode over the stages of one process (single, mp);
 - :mod:`.pipeline`: stages on ranks with several request groups in flight (pp);
 - :mod:`.strategies`: single, dp, mp, pp and tp on ranks or devices, all giving the same tokens.
@@ -12,11 +12,11 @@ from parallel_lib.inference.batch import Group, Request, Result, check_requests,
 from parallel_lib.inference.engine import Engine, admit
 from parallel_lib.inference.kv_cache import KVCache, kv_cache_bytes
 from parallel_lib.inference.pipeline import generation_schedule, group_requests, run_pipeline_stage
-from parallel_lib.inference.stage import Stage, attend, block_step, build_stage
+from parallel_lib.inference.stage import Stage, build_stage
 from parallel_lib.inference.strategies import (STRATEGIES, RankReport, ServeConfig, ServeRun, check_serve, serve,
                                               serve_many, serve_worker)
 
 __all__ = ["Request", "Result", "Group", "check_requests", "sample", "Engine", "admit", "KVCache", "kv_cache_bytes",
-           "Stage", "attend", "block_step", "build_stage", "generation_schedule", "group_requests",
+           "Stage", "build_stage", "generation_schedule", "group_requests",
            "run_pipeline_stage", "STRATEGIES", "ServeConfig", "RankReport", "ServeRun", "check_serve", "serve",
            "serve_many", "serve_worker"]

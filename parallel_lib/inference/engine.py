@@ -31,6 +31,7 @@ from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.inference.batch import Group, Request, Result, StepInput, check_requests
 from parallel_lib.inference.kv_cache import KVCache
 from parallel_lib.inference.stage import Stage, build_stage
+from parallel_lib.models.hf import as_gpt2
 from parallel_lib.model_parallel.device_map import DeviceKey, get_device_map, lane_name
 from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
 from parallel_lib.runtime.device import resolve_device
@@ -101,6 +102,7 @@ class Engine:
 
         The hidden state moves to the next stage's device between stages; one stage works at a time.
         """
+        model = as_gpt2(model)  # converted once, not once per stage
         config = model.config
         device_map = get_device_map(config.n_layer, devices)
         keys = [k for k, layers in device_map.items() if layers]
@@ -108,7 +110,7 @@ class Engine:
         for n, key in enumerate(keys):
             stages.append(build_stage(model, device_map[key], resolve_device(key), first=n == 0,
                                       last=n == len(keys) - 1, lane=lane_name(key),
-                                      embed=(stages[0].wte, stages[0].wpe) if stages else None))  # tied head
+                                      tied_to=stages[0].wte if stages else None))  # tied head
         return cls(stages, max_batch, config.n_positions, config.vocab_size, max_len, next(model.parameters()).dtype)
 
     def kv_bytes(self) -> int:

@@ -36,7 +36,7 @@ import torch
 
 from parallel_lib.common.checks import positive_int
 
-__all__ = ["KVCache", "kv_cache_bytes"]
+__all__ = ["KVCache", "CacheStep", "kv_cache_bytes"]
 
 
 def kv_cache_bytes(n_layer: int, heads: int, head_dim: int, max_len: int, batch: int, itemsize: int = 4) -> int:
@@ -94,6 +94,10 @@ class KVCache:
         """Keys and values of rows ``0..batch-1``, slots ``0..upto-1``: two views (batch, heads, upto, d)."""
         return self.k[layer][:batch, :, :upto], self.v[layer][:batch, :, :upto]
 
+    def at(self, slots: torch.Tensor, upto: int) -> CacheStep:
+        """This cache as the model's KV store for one pass: write at ``slots`` (b, s), read slots ``0..upto-1``."""
+        return CacheStep(self, slots, upto)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache owns (K and V of each layer)."""
         return [t for i in self.layers for t in (self.k[i], self.v[i])]
@@ -116,3 +120,18 @@ class KVCache:
                 f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={t.dtype}, device={t.device}, "
                 f"{self.nbytes() / 2**20:.3f} MiB)")
 
+
+
+class CacheStep:
+    """One forward pass's view of a :class:`KVCache`: what the model's attention calls (its ``KVStore``).
+
+    ``update(layer, k, v)`` writes the new tokens' keys and values at the pass's slots and returns
+    every row's slots ``0..upto-1``; the engine's mask hides the ones a row may not see.
+    """
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, upto: int) -> None:
+        self.cache, self.slots, self.upto = cache, slots, upto
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write(layer, self.slots, k, v)
+        return self.cache.read(layer, k.shape[0], self.upto)

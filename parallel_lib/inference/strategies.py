@@ -32,8 +32,10 @@ from parallel_lib.inference.engine import Engine
 from parallel_lib.inference.pipeline import run_pipeline_stage
 from parallel_lib.inference.stage import build_stage
 from parallel_lib.model_parallel.device_map import get_device_map
+from parallel_lib.models.hf import as_gpt2
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import is_torchrun, run
+from parallel_lib.runtime.mesh import Mesh
 from parallel_lib.tensor_parallel.split import check_divisible
 
 __all__ = ["STRATEGIES", "ServeConfig", "RankReport", "ServeRun", "check_serve", "serve", "serve_many", "serve_worker"]
@@ -223,7 +225,7 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
         ``(results this rank reports, [RankReport per device it drives], seconds)``: the seconds of
         serving only (building the model and the stages is not counted).
     """
-    model = config.build()
+    model = as_gpt2(config.build())  # the one GPT-2, converted once; every stage copies its own parts
     n_layer = model.config.n_layer
     if strategy in IN_PROCESS:
         engine = Engine.model_parallel(model, list(range(devices if strategy == "mp" else 1)),
@@ -249,9 +251,10 @@ def serve_worker(rank: int, world_size: int, strategy: str, requests: list[Reque
         return (results if rank == 0 else []), _reports(engine), seconds
     layers = get_device_map(n_layer, list(range(world_size)))[rank]
     stage = build_stage(model, layers, device, first=rank == 0, last=rank == world_size - 1, lane=f"stage {rank}")
-    (results, events, kv, groups), seconds = _timed(lambda: run_pipeline_stage(
-        stage, requests, rank, world_size, config.groups or world_size, config.max_batch, model.config.vocab_size,
-        timeout), ranked=True)
+    with Mesh(pp=world_size).build(timeout=timeout) as pm:  # the pipeline talks over its own group
+        (results, events, kv, groups), seconds = _timed(lambda: run_pipeline_stage(
+            stage, requests, rank, world_size, config.groups or world_size, config.max_batch, model.config.vocab_size,
+            timeout, group=pm.group("pp")), ranked=True)
     return results, [RankReport(stage.lane, kv, _weight_bytes(stage), events, groups=groups)], seconds
 
 

@@ -10,14 +10,13 @@ the real run, nothing synchronised in between); on CPUs by the host clock.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from parallel_lib.common.models import build_gpt2
-from parallel_lib.common.timeline import Event, Stamp, TimelineRecorder, makespan, synchronize_devices
+from parallel_lib.common.timeline import Event, Stamp, TimelineRecorder, makespan
 from parallel_lib.model_parallel.device_map import DeviceMap, get_device_map, lane_name
 from parallel_lib.model_parallel.placing import parallelize, placement
 from parallel_lib.runtime.device import resolve_device
@@ -75,8 +74,7 @@ def _instrument(recorder: TimelineRecorder, module: nn.Module, lane: str, device
 
 
 @contextmanager
-def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None,
-                    cuda_events: bool = True) -> Iterator[list[Event]]:
+def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None) -> Iterator[list[Event]]:
     """Record each placed part's forward and backward as timeline events.
 
     One lane per device key (:func:`lane_name`), one event per part and pass, labelled
@@ -86,16 +84,13 @@ def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None,
     their input is token ids, which have no gradient to time.
 
     A bar must show when a device *ran* its kernels, not when the host queued them. On CUDA
-    devices each stamp is a CUDA event recorded on that part's device's current stream
-    (``cuda_events=True``): the devices run as they would untimed, and the events are read
-    once, when the ``with`` block ends. With ``cuda_events=False`` every stamp waits for
-    the map's GPUs instead (simpler, but it serialises the devices it times). CPU parts
-    read the host clock either way.
+    devices each stamp is a CUDA event recorded on that part's device's current stream:
+    the devices run as they would untimed (nothing synchronises them between parts), and
+    the events are read once, when the ``with`` block ends. CPU parts read the host clock.
 
     Args:
         model: as for :func:`placement`.
         device_map: lanes to use; default ``model.device_map`` (or one device).
-        cuda_events: time CUDA parts with per-device CUDA events rather than synchronising.
 
     Yields:
         The list of :class:`~parallel_lib.common.timeline.Event`; it fills as the model runs
@@ -104,10 +99,7 @@ def record_timeline(model: nn.Module, device_map: Optional[DeviceMap] = None,
     owners = placement(model, device_map)
     where = {key: resolve_device(key) for key, _, _ in owners}
     cuda = sorted({d for d in where.values() if d.type == "cuda"}, key=str)
-    if cuda and cuda_events:
-        recorder = TimelineRecorder(event_devices=cuda)
-    else:
-        recorder = TimelineRecorder(partial(synchronize_devices, cuda) if cuda else None)
+    recorder = TimelineRecorder(event_devices=cuda)
     state: dict[str, Any] = {"step": -1, "end": 0.0}  # forward calls so far; when the last part finished
     output_key = owners[-1][0]
     output_lane, output_device = lane_name(output_key), where[output_key]

@@ -1,6 +1,7 @@
 """Pipeline parallelism (chapters 04 and 08): schedules as data (``clock_cycles``, GPipe, 1F1B,
-interleaved 1F1B, ZB-H1, ZB-H2, ZBV; validator, hang gallery, simulator), micro-batches, worker
-threads, the threaded :class:`Pipe`, and GPT-2 cut into stages.
+interleaved 1F1B, ZB-H1, ZB-H2, ZBV; validator, hang gallery, simulator), micro-batches, the one
+runtime (:func:`run_actions`: a rank's actions over threads or processes), worker threads, the
+threaded :class:`Pipe`, and GPT-2 cut into stages.
 """
 
 from parallel_lib.pipeline_parallel.gpt2 import GPT2Blocks, GPT2Embedding, GPT2Head, GPT2Stages, gpt2_stages, lm_loss
@@ -18,6 +19,7 @@ from parallel_lib.pipeline_parallel.generators import interleaved_1f1b, zb_h1, z
 from parallel_lib.pipeline_parallel.dualpipe import dualpipev
 from parallel_lib.pipeline_parallel.hangs import check_blocking, check_schedule, hang_gallery, parse_schedule
 from parallel_lib.pipeline_parallel.pipe import Pipe, StageError
+from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import (
     ALL_SCHEDULES,
     SCHEDULES,
@@ -59,6 +61,8 @@ __all__ = [
     "loss_weights",
     "Pipe",
     "StageError",
+    "run_actions",
+    "RankStages",
     "clock_cycles",
     "_clock_cycles",
     "Action",

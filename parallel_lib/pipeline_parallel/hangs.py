@@ -32,7 +32,8 @@ def check_blocking(schedule: Schedule, paired: bool = True, sender_order: bool =
     """Refuse a schedule whose sends and receives would hang when every message blocks (NCCL's rule).
 
     ``paired`` and ``sender_order`` as for :func:`~parallel_lib.pipeline_parallel.link.exchange_plan`;
-    the process engine exchanges with both on.
+    the process engine exchanges with both on where this accepts the schedule, and in rounds
+    (:func:`~parallel_lib.pipeline_parallel.link.round_plans`) where it does not.
 
     Raises:
         ValueError: naming where the ranks wait on each other, or the message matched with the wrong one.

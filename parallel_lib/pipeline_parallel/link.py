@@ -19,12 +19,23 @@ the unpaired one does not.
 No tags: NCCL ignores them. Messages between two ranks match in the order they were
 posted, per direction, and each stage's plan follows the schedule's order, so the k-th
 activation j sends is the k-th one j+1 receives (:func:`find_deadlock` checks that too).
+
+Schedules whose ranks hold several model stages (interleaved, the V schedules) deadlock with
+that pairing: a rank may wait to send a gradient to a neighbour that itself waits to send an
+activation. For them every rank exchanges in *rounds* (:func:`round_plans`): replay the
+schedule one action per rank and tick, and after each tick every message sent in it is
+received in the same exchange, by both sides. The tick-r exchange of one rank then only waits
+for the tick-r exchanges of its peers, which every rank reaches, so the plan completes (what
+Megatron-LM's interleaved schedule does with ``send_forward_backward_recv_forward_backward``).
+:func:`plan_exchanges` picks the pairing when :func:`find_deadlock` accepts it, else the rounds,
+and refuses a schedule neither can run.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Sequence
 
@@ -32,9 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel_lib.pipeline_parallel.schedule import Action, Schedule
+from parallel_lib.pipeline_parallel.schedule import Action, Schedule, action_ready
 
-__all__ = ["Message", "Exchange", "exchange_plan", "find_deadlock", "StageLink", "wait_for"]
+__all__ = ["Message", "Exchange", "exchange_plan", "round_plans", "plan_exchanges", "find_deadlock", "StageLink",
+           "TensorSpec", "wait_for", "leave_together"]
+
+TensorSpec = tuple[Sequence[int], torch.dtype]  # (shape, dtype) of a message's tensor, as its sender makes it
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,16 @@ def _messages(schedule: Schedule, j: int, action: Action, out: bool) -> list[Mes
         other = to if out else s + 1
     if not 0 <= other < len(place) or place[other] == j:
         return []  # no neighbour, or the neighbour stage lives on this rank: no message
+    if (action.kind, other, i) not in _runs(schedule):
+        return []  # the neighbour stage never runs this micro-batch (a generation's finished group)
     return [Message(kind, i, None if one else to)]
+
+
+@lru_cache(maxsize=64)
+def _runs(schedule: Schedule) -> frozenset[tuple[str, int, int]]:
+    """Every (kind, model stage, micro-batch) the schedule runs."""
+    return frozenset((a.kind, schedule.stage_of(j, a), a.micro_batch)
+                     for j, actions in enumerate(schedule.stages) for a in actions)
 
 
 def exchange_plan(schedule: Schedule, j: int, paired: bool = True, sender_order: bool = False) -> list[Exchange]:
@@ -145,7 +168,60 @@ def _channel_orders(schedule: Schedule, j: int) -> dict[int, list[Message]]:
     return orders
 
 
-def find_deadlock(schedule: Schedule, paired: bool = True, sender_order: bool = False) -> Optional[str]:
+def round_plans(schedule: Schedule) -> list[list[Exchange]]:
+    """Every rank's exchanges when the ranks exchange in rounds: each message is received in the tick it is sent.
+
+    Replays the schedule one tick at a time: in each tick every rank runs its next action if
+    its inputs were made in an earlier tick (:func:`~parallel_lib.pipeline_parallel.schedule.action_ready`);
+    then each rank that sent or is sent something posts one exchange with all of it. Several
+    exchanges may come before one action (a rank that waits receives what its peers send meanwhile).
+
+    Raises:
+        ValueError: the schedule stalls (no rank can run its next action).
+    """
+    p = schedule.num_stages
+    position, done = [0] * p, set()
+    plans: list[list[Exchange]] = [[] for _ in range(p)]
+    while True:
+        nexts = {j: schedule.stages[j][position[j]] for j in range(p) if position[j] < len(schedule.stages[j])}
+        if not nexts:
+            return plans
+        ran = [(j, action) for j, action in nexts.items() if action_ready(schedule, j, action, done)]
+        if not ran:
+            waiting = ", ".join(f"rank {j}: {action}" for j, action in nexts.items())
+            raise ValueError(f"schedule {schedule.name!r} stalls: no rank can run its next action ({waiting})")
+        sent: list[tuple[int, Message]] = []
+        for j, action in ran:
+            position[j] += 1
+            done.add((action.kind, schedule.stage_of(j, action), action.micro_batch))
+            sent += [(j, m) for m in _messages(schedule, j, action, out=True)]
+        for j in range(p):
+            sends = [m for src, m in sent if src == j]
+            recvs = [m for src, m in sent if m.ranks(schedule, src, sending=True)[1] == j]
+            if sends or recvs:
+                plans[j].append(Exchange(position[j], sends, recvs))
+
+
+def plan_exchanges(schedule: Schedule) -> list[list[Exchange]]:
+    """The exchanges every rank runs: paired in sender order if :func:`find_deadlock` accepts that, else in rounds.
+
+    Raises:
+        ValueError: neither plan completes under NCCL's blocking rule (naming why), or the schedule stalls.
+    """
+    paired = [exchange_plan(schedule, j, paired=True, sender_order=True) for j in range(schedule.num_stages)]
+    verdict = find_deadlock(schedule, plans=paired)
+    if verdict is None:
+        return paired
+    rounds = round_plans(schedule)
+    in_rounds = find_deadlock(schedule, plans=rounds)
+    if in_rounds is not None:
+        raise ValueError(f"schedule {schedule.name!r} cannot run over processes: paired exchanges fail ({verdict}) "
+                         f"and so do rounds ({in_rounds})")
+    return rounds
+
+
+def find_deadlock(schedule: Schedule, paired: bool = True, sender_order: bool = False,
+                  plans: Optional[Sequence[Sequence[Exchange]]] = None) -> Optional[str]:
     """Replay every stage's exchanges as NCCL runs large messages; None if they all complete.
 
     Rules: a stage posts its exchanges one after another; an exchange completes once the
@@ -153,12 +229,17 @@ def find_deadlock(schedule: Schedule, paired: bool = True, sender_order: bool = 
     the n-th message from stage a to stage b is the n-th one b receives from a, and it
     must be the same micro-batch's tensor (no tags to sort them out).
 
+    Args:
+        plans: every rank's exchanges (e.g. :func:`round_plans`); default
+            ``exchange_plan(schedule, j, paired, sender_order)`` for every rank j.
+
     Returns:
         None, or a description of where the stages wait on each other forever, or of a
         message received in place of another.
     """
     p = schedule.num_stages
-    plans = [exchange_plan(schedule, j, paired, sender_order) for j in range(p)]
+    if plans is None:
+        plans = [exchange_plan(schedule, j, paired, sender_order) for j in range(p)]
     # the n-th message on each directed channel (a, b): in which exchange of a (send) and b (recv)
     posted: dict[tuple[str, int, int, int], tuple[int, Message]] = {}
     for j, plan in enumerate(plans):
@@ -216,20 +297,39 @@ def wait_for(work: Any, timeout: float, what: str) -> None:
         raise RuntimeError(f"{what}: failed after {waited:.1f} s ({error})") from error
 
 
+def leave_together(group: Any, timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds, until every rank of ``group`` is done with it (a barrier; errors ignored).
+
+    Call it before destroying a pipeline group: a rank that destroys it while a peer still waits
+    for one of its messages turns the peer's clear timeout, which names the message and the rank,
+    into a "connection closed" from the transport.
+    """
+    try:
+        wait_for(dist.barrier(group=group, async_op=True), timeout, "leaving the pipeline group")
+    except (TimeoutError, RuntimeError):
+        pass
+
+
 class StageLink:
-    """One rank's connection to the ranks of its neighbouring stages.
+    """One rank's connection to the ranks of its neighbouring stages, over the pipeline's process group.
 
     Args:
-        prev: rank of stage j-1 (None on the first stage).
-        next: rank of stage j+1 (None on the last stage).
+        prev: global rank of stage j-1 (None on the first stage).
+        next: global rank of stage j+1 (None on the last stage).
         who: how error messages name this rank, e.g. "rank 1 (replica 0, stage 1)".
         timeout: seconds any exchange may wait.
-        device: where received tensors are allocated.
+        device: where received tensors are allocated: the device of the group's backend (the stage's).
+        group: the pipeline's process group (e.g. ``mesh.group("pp")``); every message goes over its
+            communicator, never the default group's.
     """
 
     def __init__(self, prev: Optional[int], next: Optional[int], who: str, timeout: float,
-                 device: torch.device) -> None:
+                 device: torch.device, *, group: Any) -> None:
+        if group is None:
+            raise ValueError(f"{who}: group must be the pipeline's process group (e.g. mesh.group('pp')), got None; "
+                             "a pipeline never talks over the default group")
         self.prev, self.next, self.who, self.timeout, self.device = prev, next, who, timeout, device
+        self.group = group
         self.route: Optional[Callable[[Message, bool], int]] = None  # (message, sending) -> peer rank
         self.bytes_sent = 0  # since the last reset
 
@@ -242,28 +342,38 @@ class StageLink:
         return rank
 
     def exchange(self, sends: Sequence[tuple[Message, Tensor]], recvs: Sequence[Message],
-                 shape: Callable[[Message], Sequence[int]], dtype: torch.dtype = torch.float32) -> list[Tensor]:
+                 spec: Callable[[Message], TensorSpec]) -> list[Tensor]:
         """Post every send and receive in one ``batch_isend_irecv`` and wait for all; return the received.
 
         Args:
             sends: messages with their tensors.
-            recvs: messages to receive, allocated as ``torch.empty(shape(message), dtype)``.
-            shape: the shape of a message's tensor (both sides know it from the batch).
+            recvs: messages to receive.
+            spec: ``(shape, dtype)`` of a message's tensor as its SENDER makes it (both sides know it
+                from the batch and the model); receives are allocated so, on ``device``.
 
         Raises:
+            ValueError: a tensor to send differs from its spec (the receiver would read it wrongly).
             TimeoutError: naming the message and the peer, after ``timeout`` seconds.
             RuntimeError: a peer failed (its connection closed).
         """
         ops, names = [], []
-        received = [torch.empty(tuple(shape(m)), dtype=dtype, device=self.device) for m in recvs]
+        received = []
+        for m in recvs:
+            shape, dtype = spec(m)
+            received.append(torch.empty(tuple(shape), dtype=dtype, device=self.device))
         for m, buffer in zip(recvs, received):
             src = self.peer(m, sending=False)
-            ops.append(dist.P2POp(dist.irecv, buffer, src))
+            ops.append(dist.P2POp(dist.irecv, buffer, src, self.group))
             names.append(f"{self.who} waiting for the {_words(m)} from rank {src}")
         for m, tensor in sends:
             dst = self.peer(m, sending=True)
+            shape, dtype = spec(m)
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(f"{self.who} would send the {_words(m)} to rank {dst} as {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}, but rank {dst} expects {dtype} {tuple(shape)}: give both "
+                                 f"sides the same spec (the sender's dtype and shape)")
             tensor = tensor.contiguous()
-            ops.append(dist.P2POp(dist.isend, tensor, dst))
+            ops.append(dist.P2POp(dist.isend, tensor, dst, self.group))
             names.append(f"{self.who} sending the {_words(m)} to rank {dst}")
             self.bytes_sent += tensor.numel() * tensor.element_size()
         if ops:

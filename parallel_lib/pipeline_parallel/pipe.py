@@ -1,10 +1,14 @@
 """``Pipe``: run an ``nn.Sequential`` as a pipeline of stages on worker threads.
 
 The executor follows a :class:`~parallel_lib.pipeline_parallel.schedule.Schedule` and
-nothing else: each stage's actions go to that stage's worker thread in the
-schedule's order, each as soon as its input exists (the previous stage's forward
-output, the next stage's input gradient). There is no per-tick barrier, so a slow
-backward on one stage does not hold every other stage back.
+nothing else: each rank's worker thread runs that rank's actions in the schedule's order
+with :func:`~parallel_lib.pipeline_parallel.runtime.run_actions`, the loop the ranks of
+chapters 05, 08 and 10 run over processes; here the hand-overs are Python objects in a
+mailbox (:class:`~parallel_lib.pipeline_parallel.transports.ThreadLink`), and an action starts
+as soon as its input is there (the previous stage's forward output, the next stage's input
+gradient). There is no per-tick barrier, so a slow backward on one stage does not hold every
+other stage back. Each action reports back to the caller's thread as it ends, which is what
+the timeout watches.
 
 Backward is pipelined too: every stage is cut out of the autograd graph at its input
 by a :class:`~parallel_lib.pipeline_parallel.stage.StageRunner` (the one the ranks of
@@ -26,8 +30,9 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from functools import partial
 from queue import Empty
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -44,17 +49,17 @@ from parallel_lib.pipeline_parallel.microbatch import (
     scatter,
     split_like,
 )
-from parallel_lib.pipeline_parallel.run import (CHECKPOINTS, Checkpoint, LossFn, PipelineRun, StageError, layout,
-                                                sum_tied_gradients)
-from parallel_lib.pipeline_parallel.schedule import ALL_SCHEDULES, Action, Schedule, action_ready, make_schedule
+from parallel_lib.pipeline_parallel.run import CHECKPOINTS, Checkpoint, LossFn, StageError, layout, sum_tied_gradients
+from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
+from parallel_lib.pipeline_parallel.schedule import ALL_SCHEDULES, Action, Schedule, make_schedule
 from parallel_lib.pipeline_parallel.simulator import _label
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
+from parallel_lib.pipeline_parallel.transports import Cancelled, Mailbox, ThreadLink
 from parallel_lib.pipeline_parallel.worker import Task, Workers
 from parallel_lib.runtime.device import DeviceKey, resolve_device
 
 __all__ = ["Pipe", "StageError"]
 
-_Run = PipelineRun  # the name chapter 04's notebook prints
 TiedPair = tuple[nn.Parameter, nn.Parameter]
 _MOVING_DENIED = ("a Pipe places its stages itself and moving it would leave its devices inconsistent: "
                   "choose the devices when making it, e.g. Pipe(module, devices=[0, 1])")
@@ -133,8 +138,8 @@ class Pipe(nn.Module):
         self.timeout = float(timeout)
         self.tied_parameters = list(tied_parameters if tied_parameters is not None
                                     else getattr(module, "tied_parameters", ()))
-        # no recorder-wide device sync: each task waits for its own stage's device (worker.Task)
-        self.timeline = TimelineRecorder()  # events of the last call
+        # GPU stages are timed by CUDA events on their own streams (worker.Task), read after the call
+        self.timeline = TimelineRecorder(event_devices=self.devices)  # events of the last call
         self.peak_activations: list[int] = []  # per rank, in the last train_step (stage-activations)
         self.peak_activation_bytes: list[int] = []  # per rank: what autograd saved for backward, at its peak
         self._workers = Workers(self.devices, num_threads)
@@ -186,9 +191,10 @@ class Pipe(nn.Module):
     def forward(self, batch: TensorOrTensors) -> TensorOrTensors:
         """Run the micro-batches of ``batch`` through the stages; outputs concatenated on the last device."""
         inputs = scatter(batch, self.chunks, self.split_size)
-        run = PipelineRun(self.runners, inputs, train=False, placement=self.placement)
-        self._execute(run, self.make_schedule(len(inputs)).forward_only(), torch.is_grad_enabled())
-        return gather([run.outputs[i] for i in range(len(inputs))])
+        schedule = self.make_schedule(len(inputs)).forward_only()
+        ranks = self._execute(schedule, torch.is_grad_enabled(), inputs=inputs, train=False)
+        outputs = ranks[self.placement[-1]].outputs
+        return gather([outputs[i] for i in range(len(inputs))])
 
     def train_step(self, batch: TensorOrTensors, target: Target, loss_fn: LossFn,
                    reduction: Literal["mean", "sum"] = "mean") -> Tensor:
@@ -227,61 +233,73 @@ class Pipe(nn.Module):
                              "weighted_cross_entropy, denominator=weights.sum()), and pass reduction=\"sum\"")
         inputs = scatter(batch, self.chunks, self.split_size)
         sizes = [(x if isinstance(x, Tensor) else x[0]).size(0) for x in inputs]
-        schedule = self.make_schedule(len(inputs))
-        run = PipelineRun(self.runners, inputs, train=True, loss_fn=loss_fn, targets=split_like(target, sizes),
-                          weights=loss_weights(sizes, reduction), placement=self.placement,
-                          split=schedule.split_backward, checkpoint=self.checkpoint)
-        before = [(a.grad.clone() if a.grad is not None else None) for a, _ in self.tied_parameters]
-        self._execute(run, schedule, True)
-        self.peak_activations, self.peak_activation_bytes = run.peak, run.peak_bytes
-        sum_tied_gradients(self.tied_parameters, before)
-        return torch.stack([run.losses[i] for i in range(len(inputs))]).sum()
+        targets, weights = split_like(target, sizes), loss_weights(sizes, reduction)
+        device = self.runners[-1].device
 
-    def _execute(self, run: PipelineRun, schedule: Schedule, grad_mode: bool) -> None:
-        """Submit every stage's actions in schedule order as their inputs arrive; collect results."""
+        def loss(i: int) -> Callable[[TensorOrTensors], Tensor]:  # micro-batch i's weighted loss, on the last device
+            mine = [targets[i]] if isinstance(targets[i], Tensor) else list(targets[i])  # type: ignore[arg-type]
+            return lambda y: loss_fn(y, *(t.to(device) for t in mine)) * weights[i]
+
+        m = len(inputs)
+        recompute = (lambda i: self.checkpoint == "always" or (self.checkpoint == "except_last" and i < m - 1))
+        before = [(a.grad.clone() if a.grad is not None else None) for a, _ in self.tied_parameters]
+        ranks = self._execute(self.make_schedule(m), True, inputs=inputs, loss=loss, recompute=recompute)
+        self.peak_activations = [r.peak for r in ranks]
+        self.peak_activation_bytes = [r.peak_bytes for r in ranks]
+        sum_tied_gradients(self.tied_parameters, before)
+        losses = ranks[self.placement[-1]].losses
+        return torch.stack([losses[i] for i in range(m)]).sum()
+
+    def _execute(self, schedule: Schedule, grad_mode: bool, **step: Any) -> list[RankStages]:
+        """Run every rank's actions on its worker thread (``run_actions`` over a :class:`ThreadLink`).
+
+        ``step`` goes to each rank's :class:`RankStages` (inputs, loss, train, recompute).
+        Returns the ranks' stages, with their losses, outputs and memory peaks.
+        """
         self.timeline.reset()
         self._workers.start()  # refuses while a task of a failed call still runs
         p = schedule.num_stages
-        position = [0] * p
-        done: set[tuple[str, int, int]] = set()
-        in_flight: dict[int, list[Action]] = {j: [] for j in range(p)}
-        failure: Optional[tuple[Task, Any]] = None
+        mailbox = Mailbox(self._workers.cancelled)
+        ranks = [RankStages(schedule, j, {s: self.runners[s] for s, r in enumerate(self.placement) if r == j},
+                            timed=partial(self._timed, schedule, j, grad_mode), **step) for j in range(p)]
+        for j in range(p):
+            self._workers.submit(Task(j, None, partial(run_actions, schedule, j, ranks[j],
+                                                       ThreadLink(schedule, j, mailbox)), grad_mode))
+        finished, ended = [0] * p, 0  # actions done per rank; ranks whose loop has returned
+        failure: Optional[Any] = None
         try:
-            while True:
-                for j in range(p if failure is None else 0):  # after a failure: only drain
-                    actions = schedule.stages[j]
-                    while position[j] < len(actions) and action_ready(schedule, j, actions[position[j]], done):
-                        action = actions[position[j]]
-                        position[j] += 1
-                        self._workers.submit(Task(j, action, run.compute(schedule.stage_of(j, action), action),
-                                                  grad_mode, self.timeline, self.devices[j],
-                                                  _label(schedule, action)))
-                        in_flight[j].append(action)
-                if not any(in_flight.values()):
-                    break
+            while ended < p:
                 try:
                     task, ok, payload = self._workers.answer(timeout=self.timeout)
                 except Empty:
-                    waiting = {f"stage {j}": " ".join(map(str, a)) for j, a in in_flight.items() if a}
+                    waiting = {f"stage {j}": " ".join(map(str, schedule.stages[j][finished[j]:]))
+                               for j in range(p) if finished[j] < len(schedule.stages[j])}
                     raise TimeoutError(f"no stage finished a task within timeout={self.timeout:g} s; "
                                        f"running or queued: {waiting}") from None
-                in_flight[task.stage].remove(task.action)
-                if not ok and payload is not None and failure is None:
-                    failure = (task, payload)
-                    self._workers.cancel()  # early stop: queued tasks are answered without running
-                elif ok and failure is None:
-                    s = schedule.stage_of(task.stage, task.action)
-                    run.finish(s, task.action, payload)
-                    done.add((task.action.kind, s, task.action.micro_batch))
-        except BaseException as error:  # timeout, interrupt, a bug here: queued tasks are cancelled;
+                if task.action is not None:  # one action done
+                    finished[task.stage] += 1
+                    continue
+                ended += 1
+                if not ok and payload is not None and failure is None and not isinstance(payload[1], Cancelled):
+                    failure = payload  # a StageError from the rank (or a bug in the loop itself)
+                    self._workers.cancel()  # early stop: the other ranks stop at their next action or wait
+        except BaseException as error:  # timeout, interrupt, a bug here: the ranks stop at their next action;
             # after an interrupt, wait (up to timeout; a second interrupt ends the wait) for running
-            # tasks, so a re-run right away is clean; one still running is a leftover (see Workers)
+            # actions, so a re-run right away is clean; one still running is a leftover (see Workers)
             self._workers.close(timeout=self.timeout if isinstance(error, KeyboardInterrupt) else 0.1)
             raise
         if failure is not None:
             self._workers.close()
-            task, (_, error, traceback) = failure
-            raise StageError(task.stage, task.action, error) from error.with_traceback(traceback)
-        unfinished = [j for j in range(p) if position[j] < len(schedule.stages[j])]
-        if unfinished:  # validate_schedule rules this out for the generated schedules
-            raise RuntimeError(f"schedule {schedule.name!r} stalled on stages {unfinished}")
+            _, error, traceback = failure
+            raise error.with_traceback(traceback)
+        return ranks
+
+    def _timed(self, schedule: Schedule, j: int, grad_mode: bool, action: Action, compute: Any) -> Any:
+        """Run one action of rank j on its thread: timed on the timeline, reported done, a failure named."""
+        task = Task(j, action, compute, grad_mode, self.timeline, self.devices[j], _label(schedule, action))
+        try:
+            result = task.run()
+        except BaseException as error:  # KeyboardInterrupt too: the caller reports it at once
+            raise StageError(j, action, error) from error
+        self._workers.report(task)
+        return result

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TensorOrTensors", "Saved", "StageRunner", "as_tuple", "like", "cut", "saved_bytes"]
+__all__ = ["TensorOrTensors", "Saved", "StageRunner", "as_tuple", "like", "cut", "saved_bytes", "move_stage"]
 
 TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
 Saved = tuple[Any, ...]  # (input leaves, outputs or loss, each layer's outputs) or ("recompute", input, loss)
@@ -68,6 +68,26 @@ def like(template: TensorOrTensors, tensors: tuple[Tensor, ...]) -> TensorOrTens
 
 def _moved(x: TensorOrTensors, device: torch.device) -> TensorOrTensors:
     return like(x, tuple(t.to(device) for t in as_tuple(x)))
+
+
+def move_stage(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move a stage's layers to ``device`` keeping every parameter object (``torch.utils.swap_tensors``).
+
+    A list that holds a stage's parameters (its tied copies, an optimizer) stays valid whatever the
+    devices: a plain ``Module.to`` makes new parameter objects when the tensor types differ (onto
+    the meta device, for instance), and the old ones would stay alive where the list keeps them.
+    Attributes set on a parameter (tensor parallelism's ``sequence_parallel`` mark) are kept too.
+    """
+    marks = {id(p): dict(p.__dict__) for p in module.parameters()}  # e.g. ``sequence_parallel``: a swap drops them
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to(device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    for p in module.parameters():
+        p.__dict__.update(marks.get(id(p), {}))
+    return module
 
 
 class _Cut(torch.autograd.Function):

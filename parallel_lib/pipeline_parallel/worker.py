@@ -12,9 +12,11 @@ look inside it: they run it and answer ``(task, ok, result or exc_info)`` on the
 out-queue, also for a ``BaseException`` such as ``KeyboardInterrupt`` (a thread that
 died of it would leave the caller waiting for its timeout). After :meth:`Workers.cancel`
 queued tasks are answered without running (``ok`` False, no exc_info): a failed step
-stops at once instead of computing what nobody will use. All workers answer on one shared out-queue, so the scheduler in
-:mod:`parallel_lib.pipeline_parallel.pipe` wakes up on whichever stage finishes first
-instead of polling p queues or waiting for the slowest stage of each clock tick.
+stops at once instead of computing what nobody will use. The
+:class:`~parallel_lib.pipeline_parallel.Pipe` gives each worker one task per step, its rank's whole
+action list (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), whose actions
+:meth:`Workers.report` as they end. All workers answer on one shared out-queue, so the caller
+wakes up on whichever stage finishes first instead of polling p queues.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from parallel_lib.common.timeline import TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.pipeline_parallel.schedule import Action, stage_lane
 
 __all__ = ["Task", "Workers", "THREAD_PREFIX"]
@@ -51,13 +53,14 @@ class Task:
         grad_mode: autograd's grad mode for ``compute`` (grad mode is per thread, so
             the caller's ``torch.no_grad()`` must be handed over explicitly).
         recorder: when given, ``compute`` is recorded as one timeline event.
-        device: the stage's device. Each time stamp first waits for this device only, so
-            stages on different GPUs are timed independently (waiting on every stage's GPU
-            would put the stages in lockstep and hide the pipeline's overlap).
+        device: the stage's device, where the task's time stamps are taken: on a GPU, CUDA
+            events on its current stream (the recorder must time it), read after the step, so
+            no stage waits for its device and the stages overlap as they do untimed; on a CPU,
+            the host clock.
     """
 
     stage: int
-    action: Action
+    action: Optional[Action]  # None: a rank's whole action list (the Pipe's worker runs its loop)
     compute: Callable[[], Any]
     grad_mode: bool
     recorder: Optional[TimelineRecorder] = None
@@ -68,15 +71,12 @@ class Task:
         with torch.set_grad_enabled(self.grad_mode):
             if self.recorder is None:
                 return self.compute()
-            own = [] if self.device is None else [self.device]
-            synchronize_devices(own)  # work queued before this task is not its time
-            start = self.recorder.now()
+            start = self.recorder.stamp(self.device)
             try:
                 return self.compute()
             finally:
-                synchronize_devices(own)  # until this task's kernels have run
-                self.recorder.add(stage_lane(self.stage), self.action.event_kind, self.action.micro_batch,
-                                  start, self.recorder.now(), self.label)
+                self.recorder.add_stamped(stage_lane(self.stage), self.action.event_kind, self.action.micro_batch,
+                                          start, self.recorder.stamp(self.device), self.label)
 
 
 def _serve_one(in_queue: Queue, out_queue: Queue, cancelled: threading.Event) -> bool:
@@ -164,6 +164,15 @@ class Workers:
     def submit(self, task: Task) -> None:
         """Queue ``task`` on its stage's worker (tasks of one stage run in submission order)."""
         self._in_queues[task.stage].put(task)
+
+    def report(self, task: Task) -> None:
+        """Answer ``task`` as done, from inside a longer task (a rank's loop reports each action)."""
+        self._out_queue.put((task, True, None))
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once a task failed or :meth:`cancel` or :meth:`close` ran: the current call is stopping."""
+        return self._cancelled
 
     def answer(self, timeout: float) -> Answer:
         """The next ``(task, ok, result | exc_info | None)`` from any worker (None: cancelled).

@@ -53,13 +53,6 @@ _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_i
                 "all_to_all_single", "gather", "scatter")
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
-# Call sites allowed to send bare point-to-point messages: (file, function) -> why.
-_ALLOWED_BARE_P2P = {
-    ("parallel_lib/pipeline_parallel/process.py", "run_pipeline_rank"):
-        "the process engine's deferred sends (ProcessConfig.deferred_sends); issue #20's one pipeline runtime "
-        "replaces them with one batch_isend_irecv per exchange",
-}
-
 
 class CollectiveGuardError(RuntimeError):
     """A collective or point-to-point call that would crash or hang under NCCL."""
@@ -183,25 +176,16 @@ _STAND_INS = (os.path.join("parallel_lib", "runtime", "guard.py"), os.path.join(
                                                                                    "collectives.py"))
 
 
-def _allowed_call_site() -> bool:
-    """Whether a bare message is torch's own, or comes from a call site in ``_ALLOWED_BARE_P2P``.
+def _called_by_torch() -> bool:
+    """Whether torch itself sent the message (past this guard's and the counter's stand-ins).
 
     torch's own protocols (``torch.distributed.pipelining``'s warm-up messages, for one) are
-    torch's business: the guard checks the code that calls torch.
+    torch's business; the guard checks the code that calls torch.
     """
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.endswith(_STAND_INS):  # this guard, the counter
         frame = frame.f_back
-    if frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        return True
-    for _ in range(2):  # the caller, or the function around its comprehension (Python < 3.12)
-        if frame is None:
-            return False
-        path = frame.f_code.co_filename.replace(os.sep, "/")
-        if any(path.endswith(file) and frame.f_code.co_name == fn for file, fn in _ALLOWED_BARE_P2P):
-            return True
-        frame = frame.f_back
-    return False
+    return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR)
 
 
 def unwrap(fn: Any) -> Any:
@@ -224,7 +208,7 @@ class _Checked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _frames:
-            if self.__name__ in _POINT_TO_POINT and not getattr(_bare_p2p, "depth", 0) and not _allowed_call_site():
+            if self.__name__ in _POINT_TO_POINT and not getattr(_bare_p2p, "depth", 0) and not _called_by_torch():
                 raise CollectiveGuardError(
                     f"dist.{self.__name__} outside dist.batch_isend_irecv: NCCL matches a bare point-to-point "
                     "message against batched ones unreliably, and two ranks that both send first wait for each "

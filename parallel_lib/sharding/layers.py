@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallel_lib.common.checks import check_number, positive_int
-from parallel_lib.common.timeline import Event
+from parallel_lib.common.timeline import Event, Stamp
 
 if TYPE_CHECKING:
     from parallel_lib.sharding.zero import ZeroEngine
@@ -57,8 +57,8 @@ class StageThreeHooks:
     def __init__(self, engine: ZeroEngine, model: nn.Module, owners: Sequence[Optional[nn.Module]],
                  prefetch: bool) -> None:
         self.engine, self.prefetch = engine, prefetch
-        self._inflight: dict[int, tuple[Any, float]] = {}
-        self._started: dict[int, float] = {}
+        self._inflight: dict[int, tuple[Any, Stamp, Optional[Stamp]]] = {}  # i -> (work, start, end if known)
+        self._started: dict[int, Stamp] = {}
         layer_ids = [i for i, m in enumerate(owners) if m is not None]
         self._next = dict(zip(layer_ids, layer_ids[1:]))       # forward order
         self._previous = dict(zip(layer_ids[1:], layer_ids))   # backward order
@@ -75,7 +75,9 @@ class StageThreeHooks:
         group.allocate()
         start = self._now()
         work = self.engine.all_gather(group.full, group.shard, async_op=async_op)
-        self._inflight[i] = (work, start)
+        recorder = self.engine.recorder
+        # a GPU prefetch ends when the all-gather has run, not when gather() waits for it after computing
+        self._inflight[i] = (work, start, recorder.stamp_done(work) if recorder is not None else None)
 
     def gather(self, i: int) -> None:
         """Make group i's parameters full (waiting for its prefetch, if one is in flight)."""
@@ -83,10 +85,10 @@ class StageThreeHooks:
             if self.engine.groups[i].gathered:
                 return
             self._start_gather(i, async_op=False)
-        work, start = self._inflight.pop(i)
+        work, start, end = self._inflight.pop(i)
         if work is not None:
             work.wait()
-        self._record("comm", start, f"AG {self.engine.groups[i].name}")
+        self._record("comm", start, f"AG {self.engine.groups[i].name}", end)
 
     def _prefetch(self, i: Optional[int]) -> None:
         if self.prefetch and i is not None and i not in self._inflight and not self.engine.groups[i].gathered:
@@ -124,15 +126,17 @@ class StageThreeHooks:
 
     # --- timeline ----------------------------------------------------------------------------------
 
-    def _now(self) -> float:
+    def _now(self) -> Stamp:
         recorder = self.engine.recorder
-        return recorder.now() if recorder is not None else 0.0
+        return recorder.stamp() if recorder is not None else 0.0
 
-    def _record(self, kind: str, start: float, label: str) -> None:
+    def _record(self, kind: str, start: Stamp, label: str, end: Optional[Stamp] = None) -> None:
+        """An event from ``start`` to ``end`` (default: now, on the compute stream of a GPU)."""
         recorder = self.engine.recorder
         if recorder is not None:
             lane = f"rank {self.engine.rank} " + ("comm" if kind == "comm" else "compute")
-            recorder.add(lane, kind, self.engine.steps, start, recorder.now(), label)
+            recorder.add_stamped(lane, kind, self.engine.steps, start, recorder.stamp() if end is None else end,
+                                 label)
 
     def remove(self) -> None:
         for handle in self._handles:

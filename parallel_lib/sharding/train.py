@@ -26,7 +26,7 @@ from torch import nn
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.common.models import build_gpt2
-from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder, synchronize_devices
+from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.device import rank_device
@@ -206,7 +206,7 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig,
     device = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
     clock = DeviceClock([device])  # a step ends when this rank's device has run it
     model = build_model(config).to(device)
-    recorder = TimelineRecorder(lambda: synchronize_devices([device])) if config.timeline else None
+    recorder = TimelineRecorder(device=device) if config.timeline else None  # a GPU: CUDA events, read at the end
     module, stepper = _prepare(config, model, recorder)
     first = 0
     if resume is not None:

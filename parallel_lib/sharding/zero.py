@@ -48,7 +48,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 class ZeroEngine:
-    """Shard a model's training state over the ranks of the default group (ZeRO stage 0-3).
+    """Shard a model's training state over the ranks of ``group`` (ZeRO stage 0-3).
 
     Args:
         model: the replica, the same on every rank (same seed); its trainable parameters are
@@ -62,7 +62,16 @@ class ZeroEngine:
             before computing the current one.
         layer_groups: stage 3's layer groups (default: the children of the model's largest
             ``nn.ModuleList``, GPT-2's blocks); the remaining parameters form one more group.
-        recorder: stage 3: record "comm" events (all-gathers, reduce-scatters) on lane "rank R".
+        recorder: record "comm" events (all-reduces, reduce-scatters, all-gathers) on lane
+            "rank R comm" and, stage 3, each layer group's forward and backward on "rank R compute";
+            on a GPU build it with ``TimelineRecorder(device=...)``: CUDA events, no synchronisation
+            (an asynchronous collective ends when it has run, see
+            :meth:`~parallel_lib.common.timeline.TimelineRecorder.stamp_done`).
+        group: the data-parallel ranks to shard over (a mesh's ``pm.group("dp")``); None: every rank.
+        separate: parameters that each get a flat group of their own, so that this rank's shard of
+            their gradient covers the same elements on every model that shares them (a pipeline's
+            tied embedding: its copies on the first and last stage are summed shard by shard,
+            :meth:`reduced_gradient`).
 
     Raises:
         RuntimeError: no initialised process group.
@@ -74,14 +83,15 @@ class ZeroEngine:
                  eps: float = 1e-8, weight_decay: float = 0.01, precision: str = "fp32", collectives: str = "torch",
                  bucket_cap_mb: float = 25.0, prefetch: bool = False,
                  layer_groups: Optional[Sequence[nn.Module]] = None,
-                 recorder: Optional[TimelineRecorder] = None) -> None:
+                 recorder: Optional[TimelineRecorder] = None, group: Any = None,
+                 separate: Sequence[nn.Parameter] = ()) -> None:
         require_process_group("ZeroEngine")
         self.stage = check_choice("stage", stage, STAGES)
         self.precision = check_choice("precision", precision, PRECISIONS)
         self.collectives = check_choice("collectives", collectives, COLLECTIVES)
         positive_number("bucket_cap_mb", bucket_cap_mb)
-        self.model, self.recorder = model, recorder
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.model, self.recorder, self.group = model, recorder, group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         for name, p in model.named_parameters():
             p._zero_name = name  # type: ignore[attr-defined]  # for error messages
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -92,18 +102,26 @@ class ZeroEngine:
         self.steps = 0
         self._reduced = False
         self._model_params = {id(p) for p in model.parameters()}
+        alone = [p for p in separate if p.requires_grad]
+        if {id(p) for p in alone} - {id(p) for p in trainable}:
+            raise ValueError("separate must hold parameters of the model (trainable ones)")
+        self._separate = {id(p) for p in alone}
+        trainable_rest = [p for p in trainable if id(p) not in self._separate]
         if stage == 3:
             layers = list(layer_groups) if layer_groups is not None else layer_modules(model)
-            in_layers = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+            in_layers = [[p for p in layer.parameters() if p.requires_grad and id(p) not in self._separate]
+                         for layer in layers]
             seen = {id(p) for ps in in_layers for p in ps}
-            outer = [p for p in trainable if id(p) not in seen]
-            owners: list[Optional[nn.Module]] = ([None] if outer else []) + [m for m, ps in zip(layers, in_layers)
-                                                                              if ps]
-            param_lists = ([outer] if outer else []) + [ps for ps in in_layers if ps]
-            names = (["outer"] if outer else []) + [f"layer {i}" for i, ps in enumerate(in_layers) if ps]
+            outer = [p for p in trainable_rest if id(p) not in seen]
+            owners: list[Optional[nn.Module]] = ([None] * len(alone) + ([None] if outer else [])
+                                                 + [m for m, ps in zip(layers, in_layers) if ps])
+            param_lists = [[p] for p in alone] + ([outer] if outer else []) + [ps for ps in in_layers if ps]
+            names = ([f"{p._zero_name}" for p in alone] + (["outer"] if outer else [])  # type: ignore[attr-defined]
+                     + [f"layer {i}" for i, ps in enumerate(in_layers) if ps])
         else:  # reverse order: roughly the order in which backward produces the gradients
-            param_lists = make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20))
-            names = [f"bucket {i}" for i in range(len(param_lists))]
+            param_lists = [[p] for p in alone] + make_buckets(trainable_rest[::-1], int(bucket_cap_mb * 2**20))
+            names = [f"{p._zero_name}" for p in alone] + [  # type: ignore[attr-defined]
+                f"bucket {i}" for i in range(len(param_lists) - len(alone))]
         self.groups = [FlatParamGroup(ps, self.world_size, self.rank, name) for ps, name in zip(param_lists, names)]
         if stage == 3:  # the shard becomes the parameters' only persistent storage
             for g in self.groups:
@@ -160,24 +178,27 @@ class ZeroEngine:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """[3] SUM of ``input`` over ranks, this rank's chunk into ``output``."""
         if self.collectives == "ring":
-            ring_reduce_scatter(output, input)
+            ring_reduce_scatter(output, input, group=self.group)
             return None
-        return reduce_scatter_single(output, input, async_op=async_op)
+        return reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """[3] Every rank's ``input`` into ``output``, in rank order."""
         if self.collectives == "ring":
-            ring_all_gather(output, input)
+            ring_all_gather(output, input, group=self.group)
             return None
-        return all_gather_single(output, input, async_op=async_op)
+        return all_gather_single(output, input, group=self.group, async_op=async_op)
 
     def _timed(self, label: str, fn: Callable[[], Any]) -> Any:
+        """Run the collective ``fn`` as a "comm" event: to its end on a GPU, to its return on a CPU."""
         if self.recorder is None:
             return fn()
-        start = self.recorder.now()
-        result = fn()
-        self.recorder.add(f"rank {self.rank} comm", "comm", self.steps, start, self.recorder.now(), label)
-        return result
+        start = self.recorder.stamp()
+        work = fn()
+        end = self.recorder.stamp_done(work)  # None: blocking, or a CPU
+        self.recorder.add_stamped(f"rank {self.rank} comm", "comm", self.steps, start,
+                                  self.recorder.stamp() if end is None else end, label)
+        return work
 
     # --- gradients ---------------------------------------------------------------------------------
 
@@ -212,7 +233,7 @@ class ZeroEngine:
             for group, buffer in zip(self.groups, self.grad_full):
                 self._adopt_grads(group, buffer)
                 if self.stage == 0:
-                    self._timed(f"AR {group.name}", lambda: dist.all_reduce(buffer))
+                    self._timed(f"AR {group.name}", lambda: dist.all_reduce(buffer, group=self.group))
                 else:  # the ring's first half: this rank's chunk summed, kept in place
                     shard = torch.empty(group.shard_numel, dtype=buffer.dtype, device=buffer.device)
                     self._timed(f"RS {group.name}", lambda: self.reduce_scatter(shard, buffer))
@@ -228,6 +249,29 @@ class ZeroEngine:
             shard.div_(self.world_size)
             self.grad_shards[i] = shard if self.grad_shards[i] is None else self.grad_shards[i].add_(shard)
         self._pending.clear()
+
+    def reduced_gradient(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's part of ``param``'s mean gradient, after :meth:`reduce_gradients` (a view: edit in place).
+
+        The whole gradient at stage 0, this rank's shard of it at stages 1-3. ``param`` must have
+        been given in ``separate``, so that the shard is the same slice of it on every rank's
+        copy (sum a pipeline's tied copies with one all-reduce of this tensor).
+
+        Raises:
+            ValueError: ``param`` was not given in ``separate``.
+            RuntimeError: called before :meth:`reduce_gradients`.
+        """
+        if id(param) not in self._separate:
+            raise ValueError("reduced_gradient needs a parameter given in ZeroEngine(..., separate=[...])")
+        i = self._group_of[id(param)]
+        if not self._reduced:
+            raise RuntimeError("call reduce_gradients() first: before it the gradient is not reduced")
+        group = self.groups[i]
+        if self.stage == 0:
+            return self.grad_full[i]
+        if self.stage == 1:
+            return self.grad_full[i][self.rank * group.shard_numel:(self.rank + 1) * group.shard_numel]
+        return self.grad_shards[i]  # type: ignore[return-value]  # reduce_gradients filled every group
 
     # --- the step ----------------------------------------------------------------------------------
 

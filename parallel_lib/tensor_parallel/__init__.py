@@ -3,14 +3,17 @@
 - :mod:`.regions`: the conjugate operators ``f``/``g`` and the sequence-parallel gather / reduce-scatter;
 - :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear`` (from a dense layer, and back);
 - :mod:`.vocab`: the vocabulary-parallel embedding and cross-entropy;
-- :mod:`.gpt2`, :mod:`.convert`: GPT-2 by heads, ``tensor_parallelize`` and ``gather_dense``;
+- :mod:`.sequence`: what sequence parallelism adds (the positions of my tokens, the partial gradients);
+- :mod:`.parallelize`: ``parallelize_tp``, the parts above swapped into the one GPT-2 (:mod:`parallel_lib.models`);
+- :mod:`.convert`: ``tensor_parallelize`` (a copy of a dense GPT-2, split) and ``gather_dense`` (back);
 - :mod:`.train`, :mod:`.verify`: training runs and exactness checks inside ranks;
 - :mod:`.cost`: collectives, bytes and time per step; :mod:`.dtensor`: PyTorch's DTensor beside it.
 """
 
-from parallel_lib.tensor_parallel.convert import check_tensor_parallel, gather_dense, tensor_parallelize
+from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, step_collectives
-from parallel_lib.tensor_parallel.gpt2 import ParallelBlock, TensorParallelGPT2, sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.parallelize import TPInfo, check_tp_split, parallelize_tp, tp_group_of
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel_lib.tensor_parallel.regions import (
     copy_to_tensor_parallel_region,
@@ -23,14 +26,14 @@ from parallel_lib.tensor_parallel.regions import (
 )
 from parallel_lib.tensor_parallel.split import naive_qkv_rows, qkv_rows
 from parallel_lib.tensor_parallel.train import TPConfig, TPResult, dense_run, tp_worker
-from parallel_lib.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from parallel_lib.tensor_parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
 
 __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "record_regions",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "qkv_rows", "naive_qkv_rows", "ParallelBlock", "TensorParallelGPT2", "sync_sequence_parallel_grads",
-    "check_tensor_parallel", "tensor_parallelize", "gather_dense",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
+    "vocab_parallel_cross_entropy", "qkv_rows", "naive_qkv_rows", "sync_sequence_parallel_grads",
+    "parallelize_tp", "tp_group_of", "check_tp_split", "TPInfo", "tensor_parallelize", "gather_dense",
     "TPConfig", "TPResult", "tp_worker", "dense_run", "GPTShape", "layer_collectives", "step_collectives",
 ]

@@ -1,142 +1,101 @@
-"""From a dense Hugging Face GPT-2 to one rank's shard (:func:`tensor_parallelize`) and back (:func:`gather_dense`).
+"""From a dense GPT-2 to one rank's shard (:func:`tensor_parallelize`) and back (:func:`gather_dense`).
 
 Every rank builds the same dense model (``build_gpt2`` with one seed) and keeps its
 slices; nothing is sent. Hugging Face's ``Conv1D`` stores weights as (in, out), so each
 is transposed to ``nn.Linear``'s (out, in) first; ``c_attn`` is then cut by heads
-(:func:`.split.qkv_rows`), never into contiguous thirds.
+(:func:`.split.qkv_rows`), never into contiguous thirds. The split itself is
+:func:`.parallelize.parallelize_tp` on the one GPT-2; this module copies the dense model
+first (it is not changed) and gathers a shard back into the dense layout.
 """
 
 from __future__ import annotations
 
 import copy
-
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import GPT2LMHeadModel
 
+from parallel_lib.models.gpt2 import GPT2
+from parallel_lib.models.hf import from_hf
+from parallel_lib.models.linear import Conv1D
 from parallel_lib.tensor_parallel import regions as R
-from parallel_lib.tensor_parallel.gpt2 import ParallelBlock, TensorParallelGPT2
-from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel_lib.tensor_parallel.split import check_divisible, conv1d_as_linear_weight, naive_qkv_rows, qkv_rows
-from parallel_lib.tensor_parallel.vocab import VocabParallelEmbedding, vocab_range
+from parallel_lib.tensor_parallel.parallelize import parallelize_tp
+from parallel_lib.tensor_parallel.split import naive_qkv_rows, qkv_rows
 
-__all__ = ["check_tensor_parallel", "tensor_parallelize", "gather_dense", "dense_linear"]
+__all__ = ["tensor_parallelize", "gather_dense"]
 
 
-def dense_linear(conv1d: nn.Module) -> nn.Linear:
-    """A Hugging Face ``Conv1D`` (weight (in, out)) as the equivalent ``nn.Linear`` (weight (out, in))."""
-    weight = conv1d_as_linear_weight(conv1d.weight)
-    linear = nn.Linear(weight.shape[1], weight.shape[0])
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-        linear.bias.copy_(conv1d.bias)
-    return linear
+def tensor_parallelize(model: Any, group: Any = None, sequence_parallel: bool = False, dropout_seed: int = 0,
+                       naive_qkv: bool = False, vocab_parallel: bool = True) -> GPT2:
+    """This rank's shard of a dense GPT-2 (a copy): attention and MLP split by heads, vocabulary split by rows.
 
-
-def _clone(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module)  # layer norms and position embeddings: whole on every rank
-
-
-def check_tensor_parallel(model: Any, group: Any) -> int:
-    """The tensor-parallel size for splitting ``model`` over ``group``, after checking both.
-
-    Raises:
-        TypeError: ``model`` is not a Hugging Face ``GPT2LMHeadModel``.
-        ValueError: ``model`` is already split; this rank is not in ``group``; heads, width,
-            MLP width or vocabulary not divisible by the group's size.
-    """
-    if isinstance(model, TensorParallelGPT2):
-        raise ValueError("model is already tensor-parallel (a TensorParallelGPT2); split the dense model, "
-                         "or call gather_dense(model) first to get it back")
-    if not isinstance(model, GPT2LMHeadModel):
-        raise TypeError(f"model must be a Hugging Face GPT2LMHeadModel (e.g. build_gpt2('tiny')), "
-                        f"got {type(model).__name__}")
-    if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise ValueError(f"group does not contain this process (global rank {dist.get_rank()}, group ranks "
-                         f"{dist.get_process_group_ranks(group)}); pass the tensor-parallel group this rank is in")
-    tp, config = R.group_size(group), model.config
-    check_divisible("n_head", config.n_head, tp, hint="choose a tensor-parallel size that divides the number of heads")
-    check_divisible("n_inner", config.n_inner or 4 * config.n_embd, tp)
-    vocab_range(config.vocab_size, 0, tp)
-    return tp
-
-
-def tensor_parallelize(model: GPT2LMHeadModel, group: Any = None, sequence_parallel: bool = False,
-                       dropout_seed: int = 0, naive_qkv: bool = False) -> TensorParallelGPT2:
-    """This rank's shard of a dense GPT-2: attention and MLP split by heads, vocabulary split by rows.
-
-    Call it on every rank of ``group`` with the same dense model. The dense model is not
-    changed (its weights are copied).
+    Call it on every rank of ``group`` with the same dense model. The dense model is not changed.
 
     Args:
-        model: a dense ``GPT2LMHeadModel``.
-        group: the tensor-parallel process group (None: the default group; without
+        model: a dense Hugging Face ``GPT2LMHeadModel`` or the one :class:`~parallel_lib.models.GPT2`.
+        group: the tensor-parallel process group or a ``RankMesh`` (None: the default group; without
             ``torch.distributed`` initialised, one rank holding everything).
-        sequence_parallel: keep the residual stream, layer norms and dropout on 1/t of the sequence.
-        dropout_seed: seed of the dropout masks (see :mod:`.gpt2`).
-        naive_qkv: split ``c_attn`` into contiguous pieces instead of by heads: the classic
-            mistake, kept so the chapter can show it failing.
+        sequence_parallel, naive_qkv, vocab_parallel: see :func:`.parallelize.parallelize_tp`.
+        dropout_seed: seed of the dropout masks (:mod:`parallel_lib.models.dropout`).
 
     Raises:
-        TypeError, ValueError: see :func:`check_tensor_parallel`.
+        TypeError: ``model`` is neither. ValueError: see :func:`.parallelize.check_tp_split`.
     """
-    tp = check_tensor_parallel(model, group)
-    rank, config = R.group_rank(group), model.config
-    transformer, head_dim = model.transformer, config.n_embd // config.n_head
-    rows = naive_qkv_rows(config.n_embd, rank, tp) if naive_qkv else qkv_rows(config.n_embd, config.n_head, rank, tp)
-    blocks = []
-    for block in transformer.h:
-        attn, mlp = block.attn, block.mlp
-        c_attn = dense_linear(attn.c_attn)
-        blocks.append(ParallelBlock(
-            _clone(block.ln_1),
-            ColumnParallelLinear(c_attn.weight[rows], c_attn.bias[rows], group, sequence_parallel=sequence_parallel),
-            RowParallelLinear.from_dense(dense_linear(attn.c_proj), group, sequence_parallel=sequence_parallel),
-            _clone(block.ln_2),
-            ColumnParallelLinear.from_dense(dense_linear(mlp.c_fc), group, sequence_parallel=sequence_parallel),
-            RowParallelLinear.from_dense(dense_linear(mlp.c_proj), group, sequence_parallel=sequence_parallel),
-            head_dim))
-    wte = VocabParallelEmbedding.from_dense(transformer.wte, group, sequence_parallel=sequence_parallel)
-    return TensorParallelGPT2(config, wte, _clone(transformer.wpe), blocks, _clone(transformer.ln_f), group,
-                              sequence_parallel, vocab_parallel=True, vocab_start=wte.vocab_start,
-                              dropout_seed=dropout_seed)
+    if isinstance(model, GPT2LMHeadModel):
+        dense = from_hf(model, dropout_seed)
+    elif isinstance(model, GPT2):
+        if getattr(model, "tp_info", None) is not None:
+            raise ValueError("model is already tensor-parallel; split the dense model, or call gather_dense(model) "
+                             "first to get it back")
+        dense = copy.deepcopy(model)
+        dense.dropout_stream.seed = dropout_seed
+    else:
+        raise TypeError(f"model must be a Hugging Face GPT2LMHeadModel (e.g. build_gpt2('tiny')) or the one GPT2 "
+                        f"(parallel_lib.models), got {type(model).__name__}")
+    return parallelize_tp(dense, group, sequence_parallel, vocab_parallel, naive_qkv)
 
 
-def _to_conv1d(conv1d: nn.Module, linear: nn.Linear, order: Optional[torch.Tensor] = None) -> None:
+def _to_conv1d(conv1d: Conv1D, linear: nn.Linear, order: Optional[torch.Tensor] = None) -> None:
     with torch.no_grad():
         weight, bias = linear.weight, linear.bias
         if order is not None:  # gathered rows come rank by rank: put them back at their dense positions
-            weight, bias = torch.empty_like(weight).index_copy_(0, order, weight), torch.empty_like(bias).index_copy_(0, order, bias)
+            weight = torch.empty_like(weight).index_copy_(0, order, weight)
+            bias = torch.empty_like(bias).index_copy_(0, order, bias)
         conv1d.weight.copy_(weight.t())
         conv1d.bias.copy_(bias)
 
 
-def gather_dense(model: TensorParallelGPT2) -> GPT2LMHeadModel:
-    """The dense ``GPT2LMHeadModel`` that ``model``'s shards make up (a collective: call it on every rank).
+def gather_dense(model: GPT2) -> GPT2:
+    """The dense GPT-2 that ``model``'s shards make up (a collective: call it on every rank of the group).
+
+    Its state dict is Hugging Face's (``to_hf`` of it gives a ``GPT2LMHeadModel``).
 
     Raises:
-        TypeError: ``model`` is not a :class:`TensorParallelGPT2`.
+        TypeError: ``model`` is not a GPT-2 split by :func:`.parallelize.parallelize_tp`.
     """
-    if not isinstance(model, TensorParallelGPT2):
-        raise TypeError(f"model must be a TensorParallelGPT2 (from tensor_parallelize), got {type(model).__name__}")
-    config, tp = model.config, model.tp
-    with torch.random.fork_rng(devices=[]):
-        dense = GPT2LMHeadModel(config)
-    order = torch.cat([qkv_rows(config.n_embd, config.n_head, r, tp) for r in range(tp)])
-    t = dense.transformer
+    info = getattr(model, "tp_info", None)
+    if not isinstance(model, GPT2) or info is None:
+        raise TypeError(f"model must be a tensor-parallel GPT2 (from tensor_parallelize or parallelize_tp), got "
+                        f"{type(model).__name__}{'' if info else ' without tp_info'}")
+    config, tp, group = model.config, info.tp, info.group
+    first = next(model.parameters())
+    dense = GPT2(config, seed=model.dropout_stream.seed).to(first.device, first.dtype)
+    rows = (lambda r: naive_qkv_rows(config.n_embd, r, tp)) if info.naive_qkv else \
+        (lambda r: qkv_rows(config.n_embd, config.n_head, r, tp))
+    order = torch.cat([rows(r) for r in range(tp)]).to(first.device)
+    mine, theirs = model.transformer, dense.transformer
     with torch.no_grad():
-        t.wte.weight.copy_(R._all_gather(model.wte.weight.detach(), 0, model.group))
-        t.wpe.load_state_dict(model.wpe.state_dict())
-        t.ln_f.load_state_dict(model.ln_f.state_dict())
-        for mine, theirs in zip(model.h, t.h):
-            theirs.ln_1.load_state_dict(mine.ln_1.state_dict())
-            theirs.ln_2.load_state_dict(mine.ln_2.state_dict())
-            _to_conv1d(theirs.attn.c_attn, mine.c_attn.to_dense(), order)
-            _to_conv1d(theirs.attn.c_proj, mine.c_proj.to_dense())
-            _to_conv1d(theirs.mlp.c_fc, mine.c_fc.to_dense())
-            _to_conv1d(theirs.mlp.c_proj, mine.mlp_proj.to_dense())
-    dense.tie_weights()
-    return dense
+        wte = mine.wte.weight.detach()
+        theirs.wte.weight.copy_(R._all_gather(wte, 0, group) if info.vocab_parallel else wte)
+        theirs.wpe.weight.copy_(mine.wpe.weight)
+        theirs.ln_f.load_state_dict(mine.ln_f.state_dict())
+        for a, b in zip(mine.h, theirs.h):
+            b.ln_1.load_state_dict(a.ln_1.state_dict())
+            b.ln_2.load_state_dict(a.ln_2.state_dict())
+            _to_conv1d(b.attn.c_attn, a.attn.c_attn.to_dense(), order)
+            _to_conv1d(b.attn.c_proj, a.attn.c_proj.to_dense())
+            _to_conv1d(b.mlp.c_fc, a.mlp.c_fc.to_dense())
+            _to_conv1d(b.mlp.c_proj, a.mlp.c_proj.to_dense())
+    return dense.train(model.training)

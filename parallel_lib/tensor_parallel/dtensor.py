@@ -6,7 +6,8 @@ it shards ``nn.Linear`` weights and inserts the collectives itself. It shards a 
 output features into *contiguous* pieces, so given GPT-2's fused ``c_attn`` as is, it
 makes the classic mistake (rank 0 gets the queries and half the keys). The fix is the
 one of :func:`.split.qkv_rows`: reorder the fused rows so that contiguous pieces are
-each rank's heads of q, k and v. The blocks then run the very forward of :mod:`.gpt2`.
+each rank's heads of q, k and v. The blocks then run the one GPT-2's own forward
+(:mod:`parallel_lib.models`), as our split does.
 The embedding and the head stay whole here (DTensor would need a custom plan for the
 vocabulary-parallel loss).
 """
@@ -18,20 +19,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2LMHeadModel
 
-from parallel_lib.tensor_parallel.convert import dense_linear
-from parallel_lib.tensor_parallel.gpt2 import ParallelBlock, TensorParallelGPT2
+from parallel_lib.models.gpt2 import GPT2
+from parallel_lib.models.hf import from_hf
+from parallel_lib.tensor_parallel.parallelize import as_linear
 from parallel_lib.tensor_parallel.split import check_divisible, qkv_rows
 
 __all__ = ["dtensor_parallelize", "dtensor_check"]
 
 
-def dtensor_parallelize(model: GPT2LMHeadModel, mesh: Any, reorder_qkv: bool = True) -> TensorParallelGPT2:
-    """``model`` as :class:`.TensorParallelGPT2` whose linear layers PyTorch's ``parallelize_module`` split.
+def dtensor_parallelize(model: Any, mesh: Any, reorder_qkv: bool = True) -> GPT2:
+    """The one GPT-2 (a copy of ``model``) whose blocks' linear layers PyTorch's ``parallelize_module`` split.
 
     Args:
-        model: a dense ``GPT2LMHeadModel`` (copied, not changed).
+        model: a dense ``GPT2LMHeadModel`` or the one GPT-2 (copied, not changed).
         mesh: a 1-D ``DeviceMesh`` over the tensor-parallel ranks.
         reorder_qkv: put each rank's heads of q, k, v next to each other before
             ``ColwiseParallel`` cuts ``c_attn``; False shows what happens without.
@@ -44,22 +45,19 @@ def dtensor_parallelize(model: GPT2LMHeadModel, mesh: Any, reorder_qkv: bool = T
     tp, config = mesh.size(), model.config
     check_divisible("n_head", config.n_head, tp, hint="choose a mesh size that divides the number of heads")
     order = torch.cat([qkv_rows(config.n_embd, config.n_head, r, tp) for r in range(tp)])
-    plan = {"c_attn": ColwiseParallel(), "c_proj": RowwiseParallel(),
-            "c_fc": ColwiseParallel(), "mlp_proj": RowwiseParallel()}
-    blocks = []
-    for block in model.transformer.h:
-        c_attn = dense_linear(block.attn.c_attn)
+    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    ours = copy.deepcopy(model) if isinstance(model, GPT2) else from_hf(model)
+    for block in ours.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn, attn.c_proj = as_linear(attn.c_attn), as_linear(attn.c_proj)  # DTensor splits nn.Linear
+        mlp.c_fc, mlp.c_proj = as_linear(mlp.c_fc), as_linear(mlp.c_proj)
         if reorder_qkv:
             with torch.no_grad():
-                c_attn.weight.copy_(c_attn.weight[order])
-                c_attn.bias.copy_(c_attn.bias[order])
-        mine = ParallelBlock(copy.deepcopy(block.ln_1), c_attn, dense_linear(block.attn.c_proj),
-                             copy.deepcopy(block.ln_2), dense_linear(block.mlp.c_fc), dense_linear(block.mlp.c_proj),
-                             config.n_embd // config.n_head)
-        blocks.append(parallelize_module(mine, mesh, plan))
-    t = model.transformer
-    return TensorParallelGPT2(config, copy.deepcopy(t.wte), copy.deepcopy(t.wpe), blocks, copy.deepcopy(t.ln_f),
-                              group=mesh.get_group(), vocab_parallel=False)
+                attn.c_attn.weight.copy_(attn.c_attn.weight[order])
+                attn.c_attn.bias.copy_(attn.c_attn.bias[order])
+        parallelize_module(block, mesh, plan)
+    return ours
 
 
 def dtensor_check(rank: int, world_size: int, config: Any) -> dict[str, float]:
@@ -88,10 +86,9 @@ def dtensor_check(rank: int, world_size: int, config: Any) -> dict[str, float]:
     their_loss.backward()
     keep = mask.bool()
     gathered = R._all_gather(our_logits.detach(), -1, None)
-    their_grad = theirs.h[0].c_attn.weight.grad.to_local()
+    their_grad = theirs.transformer.h[0].attn.c_attn.weight.grad.to_local()
     naive = dtensor_parallelize(dense, mesh, reorder_qkv=False)(ids, mask).detach()
     return dict(logits=float((gathered[keep] - their_logits.detach()[keep]).abs().max()),
                 loss=abs(float(ours.loss(our_logits.detach(), labels, weights)) - float(their_loss.detach())),
-                c_attn_grad=float((ours.h[0].c_attn.weight.grad - their_grad).abs().max()),
+                c_attn_grad=float((ours.transformer.h[0].attn.c_attn.weight.grad - their_grad).abs().max()),
                 naive_logits=float((naive[keep] - their_logits.detach()[keep]).abs().max()))
-

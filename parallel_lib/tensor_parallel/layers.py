@@ -16,7 +16,7 @@ the ``f``/``g`` pair becomes all-gather / reduce-scatter along the sequence.
 Parameters that every rank holds whole but, under sequence parallelism, sees only a
 slice of the sequence for (the row layer's bias, layer norms) are marked with
 ``param.sequence_parallel = True``: their gradients need an all-reduce over the group
-(:func:`parallel_lib.tensor_parallel.gpt2.sync_sequence_parallel_grads`).
+(:func:`parallel_lib.tensor_parallel.sequence.sync_sequence_parallel_grads`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.label = ""  # the model part it sits in, for recorded region events (:func:`.regions.labelled`)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group: Any = None, **kwargs: Any) -> ColumnParallelLinear:
@@ -72,12 +73,13 @@ class ColumnParallelLinear(nn.Module):
         return cls(shard(linear.weight, 0, rank, tp, "out_features"), bias, group, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = R.gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = R.copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
-        return R.gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+        with R.labelled(self.label):
+            if self.sequence_parallel:
+                x = R.gather_from_sequence_parallel_region(x, self.group)
+            else:
+                x = R.copy_to_tensor_parallel_region(x, self.group)
+            y = F.linear(x, self.weight, self.bias)
+            return R.gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def to_dense(self) -> nn.Linear:
         """The whole layer, gathered from every rank of the group (a collective: call it on all)."""
@@ -116,6 +118,7 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # sees only this rank's slice of the sequence
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.label = ""  # the model part it sits in, for recorded region events (:func:`.regions.labelled`)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group: Any = None, **kwargs: Any) -> RowParallelLinear:
@@ -131,10 +134,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = x.chunk(R.group_size(self.group), -1)[R.group_rank(self.group)]
         partial = F.linear(x, self.weight)  # bias later: added once, not once per rank
-        if self.sequence_parallel:
-            y = R.reduce_scatter_to_sequence_parallel_region(partial, self.group)
-        else:
-            y = R.reduce_from_tensor_parallel_region(partial, self.group)
+        with R.labelled(self.label):
+            if self.sequence_parallel:
+                y = R.reduce_scatter_to_sequence_parallel_region(partial, self.group)
+            else:
+                y = R.reduce_from_tensor_parallel_region(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
     def to_dense(self) -> nn.Linear:

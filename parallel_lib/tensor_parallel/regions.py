@@ -32,7 +32,7 @@ appended to the active :func:`record_regions` traces, which the chapter's widget
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -84,6 +84,15 @@ def region_label(label: str) -> Iterator[None]:
         yield
     finally:
         _label[0] = previous
+
+
+def labelled(label: str) -> Any:
+    """:func:`region_label` of ``label``, or nothing (the enclosing label stays) when ``label`` is empty.
+
+    The split layers call it with their ``label`` attribute, which :func:`~.parallelize.parallelize_tp`
+    sets to the part of the model they sit in ("embedding", "attention", "mlp", "head").
+    """
+    return region_label(label) if label else nullcontext()
 
 
 def _note(ctx: Any, op: str, phase: str, collective: str, x: torch.Tensor, y: torch.Tensor) -> None:

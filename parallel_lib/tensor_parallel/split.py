@@ -15,7 +15,7 @@ import torch
 
 from parallel_lib.common.checks import positive_int
 
-__all__ = ["check_divisible", "shard", "qkv_rows", "naive_qkv_rows", "conv1d_as_linear_weight"]
+__all__ = ["check_divisible", "shard", "qkv_rows", "naive_qkv_rows"]
 
 
 def check_divisible(name: str, value: int, tp: int, hint: str = "") -> int:
@@ -57,7 +57,3 @@ def naive_qkv_rows(n_embd: int, rank: int, tp: int) -> torch.Tensor:
     local = check_divisible("3 * n_embd", 3 * n_embd, tp)
     return torch.arange(rank * local, (rank + 1) * local)
 
-
-def conv1d_as_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face ``Conv1D`` weight (in, out) as an ``nn.Linear`` weight (out, in)."""
-    return weight.detach().t().contiguous()

@@ -3,9 +3,11 @@
 :func:`tp_worker` is what each rank runs (from ``launch``, ``torchrun`` or the CLI): it
 builds the same dense model on every rank, keeps its shard, trains ``steps`` steps with
 AdamW on the same synthetic batches as :func:`dense_run`, counts every collective of each
-step and measures the activation bytes saved for backward. Ranks form a (dp, tp) grid:
-global rank = d·tp + t, so a tensor-parallel group is a run of neighbouring ranks
-(one node, in a real cluster) and a data-parallel group takes one rank from each.
+step and measures the activation bytes saved for backward. Ranks form a (dp, tp)
+:class:`~parallel_lib.runtime.mesh.Mesh`: global rank = d·tp + t, so a tensor-parallel group
+is a run of neighbouring ranks (one node, in a real cluster) and a data-parallel group takes
+one rank from each. The mesh destroys its groups when the run ends, so many runs in one
+launch leave no communicators behind.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parallel_lib.common.checks import check_number, positive_int
 from parallel_lib.common.models import build_gpt2
@@ -23,10 +24,11 @@ from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.mesh import Mesh, RankMesh
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
-from parallel_lib.tensor_parallel.gpt2 import TensorParallelGPT2, sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 
-__all__ = ["TPConfig", "TPResult", "make_batches", "saved_activation_bytes", "tp_groups", "tp_worker", "dense_run"]
+__all__ = ["TPConfig", "TPResult", "make_batches", "saved_activation_bytes", "tp_mesh", "tp_worker", "dense_run"]
 
 
 @dataclass(frozen=True)
@@ -107,22 +109,6 @@ def saved_activation_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
     return out, sum(seen.values())
 
 
-def tp_groups(world_size: int, tp: int) -> tuple[Any, Any, int, int]:
-    """``(tp_group, dp_group, tp_size, dp_size)`` of this rank in the (dp, tp) grid (a collective)."""
-    tp = tp or world_size
-    if world_size % tp:
-        raise ValueError(f"tp={tp} must divide world_size={world_size}")
-    dp, rank = world_size // tp, dist.get_rank()
-    tp_group = dp_group = None
-    for d in range(dp):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
-        tp_group = group if rank // tp == d else tp_group
-    for t in range(tp):
-        group = dist.new_group(list(range(t, world_size, tp)))
-        dp_group = group if rank % tp == t else dp_group
-    return tp_group, dp_group, tp, dp
-
-
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, denominator: float,
           dp_group: Any, dp: int) -> tuple[torch.Tensor, int]:
     """One AdamW step; returns the loss and the activation bytes its forward saved for backward."""
@@ -139,11 +125,18 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
 
 
 def _loss(model: torch.nn.Module, logits: torch.Tensor, batch: dict, denominator: float) -> torch.Tensor:
+    """The model head's weighted loss, rescaled from this rank's weight to the global batch's ``denominator``."""
     weights = batch["label_token_weights"]
-    if isinstance(model, TensorParallelGPT2):
-        return model.loss(logits, batch["labels"], weights) * weights.sum() / denominator
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
-    return (ce * weights.flatten()).sum() / denominator
+    return model.loss(logits, batch["labels"], weights) * weights.sum() / denominator
+
+
+def tp_mesh(world_size: int, tp: int) -> Mesh:
+    """The (dp, tp) mesh of a run: ``tp`` ranks per group (0: all of them), the rest data parallel.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``world_size``.
+    """
+    return Mesh.of_world(world_size, tp=tp or world_size)
 
 
 def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool = True) -> TPResult:
@@ -151,8 +144,13 @@ def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool =
     positive_int("steps", config.steps)
     check_number("dropout", config.dropout, 0.0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    tp_group, dp_group, tp, dp = tp_groups(world_size, config.tp)
-    d = dist.get_rank() // tp
+    with tp_mesh(world_size, config.tp).build() as pm:  # its groups are destroyed when the run ends
+        return _tp_run(pm, config, return_state)
+
+
+def _tp_run(pm: RankMesh, config: TPConfig, return_state: bool) -> TPResult:
+    tp_group, dp_group, tp, dp = pm.group("tp"), pm.group("dp"), pm.size("tp"), pm.size("dp")
+    rank, d = pm.rank, pm.index("dp")
     dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())
     device = rank_device()  # this rank's GPU under NCCL, else the CPU
     model = tensor_parallelize(dense, tp_group, config.sequence_parallel, dropout_seed=config.seed).to(device)
@@ -183,8 +181,9 @@ def tp_worker(rank: int, world_size: int, config: TPConfig, return_state: bool =
 def dense_run(config: TPConfig, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the whole global batch: the losses and final parameters the ranks must match.
 
-    The model is this package's forward with one rank (tp = 1): with dropout it draws the
-    same masks as the ranks; without, it equals Hugging Face's GPT-2 (tested separately).
+    The model is the one GPT-2 (:mod:`parallel_lib.models`) split over one rank (tp = 1): with
+    dropout it draws the same masks as the ranks; without, it equals Hugging Face's GPT-2
+    (tests/test_gpt2_model.py).
     """
     model = tensor_parallelize(build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides()),
                                None, dropout_seed=config.seed)

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel_lib.common.models import build_gpt2
+from parallel_lib.models.attention import allowed_keys
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
-from parallel_lib.tensor_parallel.gpt2 import sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
 
@@ -128,7 +129,7 @@ def layer_trace(rank: int, world_size: int, sequence_parallel: bool = False, bat
     x = torch.randn(batch, local_seq, model.config.n_embd, generator=torch.Generator().manual_seed(0),
                     requires_grad=True)
     with R.record_regions() as trace:
-        y = model.h[0](x, model._mask_bias(seq, None, x.dtype, x.device), model)
+        y = model.transformer.h[0](x, allowed_keys(seq))
         y.sum().backward()
     return trace
 

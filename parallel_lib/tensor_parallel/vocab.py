@@ -25,7 +25,7 @@ from torch import nn
 from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.split import check_divisible, shard
 
-__all__ = ["vocab_range", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["vocab_range", "VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel_cross_entropy"]
 
 
 def vocab_range(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
@@ -55,6 +55,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(weight.detach().clone())
         self.vocab_start, self.vocab_end = vocab_start, vocab_start + weight.shape[0]
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.label = "embedding"  # for recorded region events
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group: Any = None, **kwargs: Any) -> VocabParallelEmbedding:
@@ -67,9 +68,10 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)  # another rank holds these ids
-        if self.sequence_parallel:
-            return R.reduce_scatter_to_sequence_parallel_region(local, self.group)
-        return R.reduce_from_tensor_parallel_region(local, self.group)
+        with R.labelled(self.label):
+            if self.sequence_parallel:
+                return R.reduce_scatter_to_sequence_parallel_region(local, self.group)
+            return R.reduce_from_tensor_parallel_region(local, self.group)
 
 
 def _all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
@@ -127,3 +129,36 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
         raise ValueError(f"target must have logits' shape without the vocabulary dimension, got logits "
                          f"{tuple(logits.shape)} and target {tuple(target.shape)}")
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
+
+
+class VocabParallelHead(nn.Module):
+    """The output layer on this rank's vocabulary slice: logits (b, s, V/t) and their loss, never gathered.
+
+    GPT-2's head is its embedding (tied), so the head holds the very Parameter of this rank's
+    :class:`VocabParallelEmbedding`. The hidden state enters through ``f`` (its gradient is
+    summed over the ranks' vocabulary slices) or, under sequence parallelism, an all-gather of
+    the sequence.
+
+    Args:
+        embedding: this rank's vocabulary-parallel embedding (its weight is the head's).
+    """
+
+    def __init__(self, embedding: VocabParallelEmbedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        self.vocab_start, self.group, self.sequence_parallel = embedding.vocab_start, embedding.group, \
+            embedding.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with R.labelled("head"):
+            if self.sequence_parallel:
+                x = R.gather_from_sequence_parallel_region(x, self.group)
+            else:
+                x = R.copy_to_tensor_parallel_region(x, self.group)
+        return F.linear(x, self.weight)  # (b, s, V/t)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sum(ce · weights) / sum(weights)`` from this rank's logits (:func:`vocab_parallel_cross_entropy`)."""
+        ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group)
+        w = torch.ones_like(ce) if weights is None else weights.to(ce.dtype)
+        return (ce * w).sum() / w.sum().clamp_min(torch.finfo(ce.dtype).tiny)

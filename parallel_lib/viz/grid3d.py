@@ -27,9 +27,11 @@ def _xy(grid: Any, d: int, j: int, t: int) -> tuple[float, float]:
 
 
 def render_grid3d(grid: Any, title: str = "") -> Figure:
-    """Draw a :class:`~parallel_lib.hybrid.grid3d.Grid3D`: ranks, tp boxes, pp arrows, dp lines."""
+    """Draw a dp x tp x pp :class:`~parallel_lib.runtime.mesh.Mesh`: ranks, tp boxes, pp arrows, dp lines."""
+    if grid.cp > 1 or grid.ep > 1:
+        raise ValueError(f"render_grid3d draws the dp, tp and pp axes; got a mesh with cp={grid.cp}, ep={grid.ep}")
     fig, ax = plt.subplots(figsize=(1.2 + 1.3 * grid.pp * grid.tp + 0.6 * grid.pp, 0.9 + 1.5 * grid.dp))
-    ranks = grid.ranks
+    ranks = grid.ranks[:, :, 0, 0, :]  # [dp, pp, tp]
     for d in range(grid.dp):
         for j in range(grid.pp):
             x0, y0 = _xy(grid, d, j, 0)
@@ -68,5 +70,5 @@ def render_grid3d(grid: Any, title: str = "") -> Figure:
     ax.plot([], [], color="tab:red", lw=1, linestyle="--", label=f"data-parallel group ({grid.dp} ranks)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=3, fontsize=8, frameon=False)
     ax.set_title(title or f"dp={grid.dp} x tp={grid.tp} x pp={grid.pp}: rank (replica, stage, slice), "
-                          f"order {grid.order}", fontsize=10)
+                          f"order {grid.short_order}", fontsize=10)
     return fig

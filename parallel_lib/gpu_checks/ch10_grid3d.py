@@ -1,6 +1,6 @@
 """The GPU check of chapter 10's 3D run: DP × TP × PP on NCCL ranks equals one process, traffic equals the formulas.
 
-:mod:`parallel_lib.check_gpu` registers :func:`check_grid3d`. The layout takes tp = 2 and
+:mod:`parallel_lib.gpu_checks` registers :func:`check_grid3d`. The layout takes tp = 2 and
 pp = 2 where the GPUs allow, the rest data parallelism (8 GPUs: 2 × 2 × 2); the reference is
 Hugging Face's dense GPT-2 in one process on the CPU.
 """
@@ -8,7 +8,7 @@ Hugging Face's dense GPT-2 in one process on the CPU.
 from __future__ import annotations
 
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import CheckError
+from parallel_lib.gpu_checks._reference import CheckError
 
 __all__ = ["grid_for", "check_grid3d"]
 

@@ -3,13 +3,13 @@
 :func:`check_inference` runs the single engine on ``cuda:0`` and model parallelism over
 ``cuda:0..n-1`` in this process, then data, pipeline and tensor parallelism on NCCL ranks
 (one launch), and compares every request's tokens with the single engine on the CPU;
-:mod:`parallel_lib.check_gpu` registers it.
+:mod:`parallel_lib.gpu_checks` registers it.
 """
 
 from __future__ import annotations
 
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import CheckError, free_memory
+from parallel_lib.gpu_checks._reference import CheckError, free_memory
 from parallel_lib.inference import Engine, Request, ServeConfig, serve_many
 
 __all__ = ["check_inference"]

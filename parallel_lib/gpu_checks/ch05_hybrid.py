@@ -1,45 +1,19 @@
-"""The GPU checks of chapters 00 and 05, so that ``check_gpu`` covers every chapter.
+"""Chapter 05's GPU check: data parallelism over pipelines on NCCL ranks trains like one process.
 
-:mod:`parallel_lib.check_gpu` registers :func:`check_setup` (chapter 00: ranks on NCCL sum
-a tensor, and the tiny GPT-2 trains on ``cuda:0``) and :func:`check_hybrid` (chapter 05:
-data parallelism over pipelines on NCCL ranks trains like one process). Chapters 01–04
-are in :mod:`parallel_lib.gpu_checks`, 06–08 in :mod:`parallel_lib.gpu_checks_part2`.
+:func:`check_hybrid` runs every ``dp x pp`` layout of the GPUs (:func:`hybrid_grid`) with GPipe
+and 1F1B and compares each with one process on the CPU. :mod:`parallel_lib.gpu_checks`
+registers it as ``hybrid``.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.gpu_checks import CheckError
-from parallel_lib.runtime.device import resolve_device
+from parallel_lib.gpu_checks._reference import CheckError
 from parallel_lib.runtime.launcher import launch
 
-__all__ = ["check_setup", "hybrid_grid", "check_hybrid"]
-
-
-def check_setup(n_gpus: int, quick: bool = False) -> str:
-    """Chapter 00: an all-reduce over ``n_gpus`` NCCL ranks, then the tiny GPT-2's first run on one GPU."""
-    from parallel_lib.quickstart import tiny_run
-    from parallel_lib.runtime.environment import all_reduce_demo
-
-    per_rank = launch(all_reduce_demo, n_gpus, timeout=120) if n_gpus > 1 else []
-    expected = n_gpus * (n_gpus + 1) / 2
-    for rank, _, after in per_rank:
-        if not torch.equal(after, torch.full((2,), expected)):
-            raise CheckError(f"rank {rank}: all-reduce gave {after.tolist()}, expected {expected} everywhere")
-    steps = 10 if quick else 40
-    record = tiny_run(steps=steps, device=resolve_device(0))
-    if not record.final_loss < record.losses[0]:
-        raise CheckError(f"the tiny GPT-2 did not learn on {resolve_device(0)}: loss {record.losses[0]:.2f} -> "
-                         f"{record.final_loss:.2f}")
-    rows = [["all-reduce of [rank + 1] (NCCL on GPUs)", f"{n_gpus} ranks",
-             f"{expected:g} on every rank" if per_rank else "skipped: one GPU"],
-            [f"tiny GPT-2, {steps} steps", str(resolve_device(0)),
-             f"loss {record.losses[0]:.2f} -> {record.final_loss:.2f}, {record.throughput(skip=2):,.0f} tokens/s"]]
-    return "\n".join(["Set-up (chapter 00):", "", markdown_table(["run", "where", "result"], rows, "lll")])
+__all__ = ["hybrid_grid", "check_hybrid"]
 
 
 def hybrid_grid(n_gpus: int) -> list[tuple[int, int]]:

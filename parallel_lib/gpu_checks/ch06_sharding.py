@@ -1,0 +1,51 @@
+"""Chapter 06's GPU check: ZeRO-0..3, ZeroRedundancyOptimizer and FSDP2 on NCCL ranks train like one process.
+
+:func:`check_sharding` compares every variant's parameters with one process, its census with
+``zero_memory``'s formula, then prints ``python -m parallel_lib.bench sharding``'s table.
+:mod:`parallel_lib.gpu_checks` registers it as ``sharding``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from parallel_lib.common.tables import markdown_table
+from parallel_lib.gpu_checks._reference import CheckError
+from parallel_lib.runtime.launcher import launch
+
+__all__ = ["check_sharding"]
+
+
+def check_sharding(n_gpus: int, quick: bool = False) -> str:
+    """ZeRO-0..3 (torch and ring collectives), ZeroRedundancyOptimizer and FSDP2 on ``n_gpus`` ranks train
+    like one process; the census matches the formula; then ``bench sharding``'s table at 1 and n ranks."""
+    from parallel_lib.bench import sharding as bench_sharding
+    from parallel_lib.sharding import ShardConfig, run_many, single_process_reference, zero_memory
+
+    base = ShardConfig(model="tiny", vocab_size=97, batch_size=4 * n_gpus, seq_len=32, steps=3)
+    runs = {f"ZeRO-{s}": replace(base, stage=s) for s in range(4)}
+    runs.update({"ZeRO-2 ring": replace(base, stage=2, collectives="ring"),
+                 "ZeRO-3 ring": replace(base, stage=3, collectives="ring"),
+                 "ZeRO-3 prefetch": replace(base, stage=3, prefetch=True),
+                 "ZeroRedundancyOptimizer": replace(base, strategy="zero_redundancy"),
+                 "FSDP2": replace(base, strategy="fsdp2")})
+    per_rank = launch(run_many, n_gpus, runs, timeout=600)
+    _, expected, _ = single_process_reference(base)
+    rows = []
+    for name, config in runs.items():
+        results = [r[name] for r in per_rank]
+        worst = max(max((r.state[k] - v).abs().max().item() for k, v in expected.items()) for r in results)
+        if not worst < 1e-3:  # AdamW turns float noise into ~1e-5 here; a missed shard is ~1e-3 per step
+            raise CheckError(f"{name} on {n_gpus} GPUs differs from one process by {worst:.3g}")
+        stage = {"ZeroRedundancyOptimizer": 1, "FSDP2": 3}.get(name, config.stage)
+        formula = zero_memory(results[0].num_params, n_gpus, stage, config.precision)["total"]
+        off = max(abs(r.census["total"] - formula) / formula for r in results)
+        if config.strategy == "zero" and not off < 0.05:
+            raise CheckError(f"{name}: census {off:.1%} off the formula")
+        rows.append([name, f"{worst:.1e}", f"{off:.2%}", f"{results[0].wire_bytes / 1e6:.3f}"])
+    table = markdown_table(["variant", "max abs parameter difference", "census off formula", "MB sent per step"],
+                           rows, "lrrr")
+    bench = bench_sharding.Config(models=("tiny",) if quick else ("tiny", "small"), world_sizes=(1, n_gpus))
+    return "\n".join([f"Sharded data parallelism, {n_gpus} NCCL ranks, 3 AdamW steps: every variant's parameters "
+                      "match one process on the CPU's:", "", table, "",
+                      bench_sharding.markdown(bench_sharding.measure(bench_sharding.QUICK if quick else bench))])

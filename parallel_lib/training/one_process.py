@@ -1,0 +1,36 @@
+"""The one single-process reference: the dense model on the whole global batch, AdamW, no parallelism.
+
+Independent of every parallel code path: Hugging Face's ``GPT2LMHeadModel`` forward (causal
+attention, its own tied head), the course's weighted loss ``sum(ce · w) / sum(w)`` and
+``torch.optim.AdamW`` with the run's settings. Every layout of :func:`~parallel_lib.training.run.train`
+must reach the parameters this reaches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallel_lib.training.run import ModelBuilder, RunConfig, build_model, global_batches
+
+__all__ = ["reference"]
+
+
+def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses of every step and the final parameters (state-dict names) of one process."""
+    run.check()
+    model = builder(run)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
+    losses = []
+    for batch in global_batches(run):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(batch["input_ids"]).logits
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        weights = batch["label_token_weights"].flatten()
+        loss = (ce * weights).sum() / weights.sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

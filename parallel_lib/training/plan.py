@@ -1,0 +1,91 @@
+"""A plan: which parallelism goes on which axis of the mesh, and how the pipeline runs.
+
+A training run is (model builder, mesh, plan, run config). The plan names, per axis, what is
+applied there, in the order :func:`~parallel_lib.training.run.train` applies it (as torchtitan's
+``parallelize_llama`` does: tensor parallelism first, then the pipeline split, then data
+parallelism / sharding on what each stage keeps)::
+
+    tp   chapter 07: every block split by heads (column and row layers), the vocabulary split;
+         ``sequence_parallel`` also splits the norms' and dropouts' activations by sequence
+    pp   chapters 04 and 08: the blocks cut into ``pp`` stages, run by ``schedule`` over
+         ``micro_batches``, with ``recompute`` keeping only each stage's input
+    dp   chapters 01 and 06: replicas over the rest of the ranks, their gradients averaged;
+         ``zero`` shards optimizer state (1), gradients (2) and parameters (3) over the replicas
+
+Every axis may be 1. :meth:`Plan.check` refuses, naming the field, what cannot run, before any
+rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.pipeline_parallel.schedule import SCHEDULES
+from parallel_lib.runtime.mesh import DEFAULT_ORDER, Mesh
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each mesh axis carries; the same on every rank."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0                     # ZeRO stage over dp: 0 (plain data parallel) .. 3
+    sequence_parallel: bool = False   # with tp > 1: norms and dropouts on 1/tp of the sequence
+    schedule: str = "1f1b"            # a pipeline schedule with one stage per rank ("gpipe", "1f1b", ...)
+    micro_batches: int = 2            # per replica and step
+    recompute: bool = False           # pipeline stages keep only their input, forward again in backward
+    order: str = DEFAULT_ORDER        # the mesh's axis order, fastest first
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, order=self.order)
+
+    @property
+    def name(self) -> str:
+        """A short label, e.g. ``"dp2 zero1 × tp2+sp × pp2 1f1b"``."""
+        parts = []
+        if self.dp > 1 or self.zero:
+            parts.append(f"dp{self.dp}" + (f" zero{self.zero}" if self.zero else ""))
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} {self.schedule}" + (" recompute" if self.recompute else ""))
+        return " × ".join(parts) or "one process"
+
+    def check(self, world_size: Optional[int] = None, n_layer: Optional[int] = None, n_head: Optional[int] = None,
+              vocab_size: Optional[int] = None, batch_size: Optional[int] = None) -> None:
+        """Raise ValueError, naming the field, for a plan that cannot run on this world or model.
+
+        Raises:
+            ValueError: a size below 1, an unknown schedule or ZeRO stage, axes that do not
+                multiply to ``world_size``, a tp that does not divide the heads or vocabulary,
+                more stages than blocks, a batch that does not split into dp × micro_batches,
+                or a combination not supported yet (named, with what to use instead).
+        """
+        for axis in ("dp", "tp", "pp", "micro_batches"):
+            positive_int(axis, getattr(self, axis))
+        check_choice("zero", self.zero, [0, 1, 2, 3])
+        check_choice("schedule", self.schedule, sorted(SCHEDULES))
+        mesh = self.mesh
+        if world_size is not None and world_size != mesh.world_size:
+            raise ValueError(f"dp * tp * pp must equal world_size={world_size}, got {self.dp} x {self.tp} x "
+                             f"{self.pp} = {mesh.world_size}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits activations over the tp axis: it needs tp > 1")
+        if self.sequence_parallel and self.zero >= 2:
+            raise ValueError(f"sequence_parallel with zero={self.zero} is not supported yet: its norms' gradients "
+                             "are summed over tp after backward, ZeRO-2/3 reduce them during it; use zero <= 1")
+        if n_layer is not None and self.pp > n_layer:
+            raise ValueError(f"pp must be <= the model's {n_layer} blocks (one per stage at least), got pp={self.pp}")
+        for name, value in (("n_head", n_head), ("vocab_size", vocab_size)):
+            if value is not None and value % self.tp:
+                raise ValueError(f"tp={self.tp} must divide {name}={value}")
+        if batch_size is not None and batch_size % (self.dp * self.micro_batches):
+            raise ValueError(f"batch_size must split into dp={self.dp} replicas of micro_batches="
+                             f"{self.micro_batches} equal micro-batches, got batch_size={batch_size}")

@@ -1,0 +1,222 @@
+"""The one training entry: (model builder, mesh, plan, run config) -> a trained shard and its record.
+
+Every rank builds the same dense GPT-2 from the run's seed and then applies the plan, in
+this order (torchtitan's ``parallelize_llama`` order; :mod:`.plan` says what each axis means):
+
+[1] tp: split every block by heads over ``pm.group("tp")`` (chapter 07);
+[2] pp: keep stage ``j`` of ``pp`` (chapter 04's balance; the last stage keeps a copy of the
+    tied embedding as the head);
+[3] dp: hand the stage's parameters to :class:`~parallel_lib.sharding.ZeroEngine` over
+    ``pm.group("dp")`` (chapter 06; stage 0 is plain data parallelism: one all-reduce per
+    bucket). The tied embedding gets a flat group of its own, so that its copies on the first
+    and last stage are summed shard by shard.
+
+A step on rank ``(d, j, t)``:
+
+[4] take replica d's rows of the global batch (one batch source for every process, the
+    reference too), with the loss divided by the global token count over dp (the dp mean
+    then gives the global token mean);
+[5] run stage j's actions of the schedule with the one pipeline runtime
+    (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), exchanging with slice t of the
+    neighbouring stages over ``pm.group("pp")``, one ``batch_isend_irecv`` per exchange;
+[6] reduce the gradients over dp (ZeRO's reduce-scatter or all-reduce), sum the
+    sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends;
+[7] AdamW on this rank's shard; ZeRO-1/2 all-gather the updated parameters.
+
+Every collective of a step is counted and sorted by the mesh axis it ran on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2LMHeadModel
+
+from parallel_lib.common.checks import check_choice, check_number, positive_int
+from parallel_lib.common.models import GPT2_SIZES, build_gpt2
+from parallel_lib.common.timeline import DeviceClock
+from parallel_lib.common.training import TrainRecord
+from parallel_lib.data_parallel.ring import require_process_group
+from parallel_lib.hybrid.dp_tp_pp import _stage_on_device, _step
+from parallel_lib.hybrid.tp_stages import dense_state
+from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
+from parallel_lib.pipeline_parallel.schedule import make_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
+from parallel_lib.runtime.device import rank_device
+from parallel_lib.runtime.mesh import RankMesh
+from parallel_lib.sharding.memory import engine_census
+from parallel_lib.sharding.zero import ZeroEngine
+from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
+from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
+from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+from parallel_lib.training.plan import Plan
+
+__all__ = ["RunConfig", "TrainResult", "train", "train_many", "global_batches", "build_model"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What is trained, on what, for how long; the same on every rank and in the reference."""
+
+    model: str = "tiny"             # a GPT2_SIZES name
+    n_layer: int = 0                # 0: the size's own depth
+    n_embd: int = 0                 # 0: the size's own width
+    vocab_size: int = 128           # divisible by tp
+    seq_len: int = 16
+    batch_size: int = 8             # GLOBAL rows per step
+    steps: int = 2
+    lr: float = 1e-3                # AdamW
+    eps: float = 1e-8               # AdamW's; a large one makes the update depend on the gradient's scale
+    weight_decay: float = 0.01
+    seed: int = 0                   # weights and batches
+    timeout: float = 60.0           # seconds any receive or collective may wait
+    return_state: bool = True       # send the trained parameters back (dense names)
+
+    def overrides(self) -> dict[str, int]:
+        """``build_gpt2`` overrides of depth and width."""
+        return {k: getattr(self, k) for k in ("n_layer", "n_embd") if getattr(self, k)}
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The model's n_layer, n_embd, n_head and n_positions."""
+        check_choice("model", self.model, sorted(GPT2_SIZES))
+        return {**GPT2_SIZES[self.model], **self.overrides()}
+
+    def check(self) -> None:
+        """Raise ValueError, naming the field, for a run that cannot work.
+
+        Raises:
+            ValueError: an unknown model, a size below 1, a sequence longer than the model's
+                positions, or a non-positive learning rate, eps or timeout.
+        """
+        for name in ("vocab_size", "seq_len", "batch_size", "steps"):
+            positive_int(name, getattr(self, name))
+        for name in ("lr", "eps", "timeout"):
+            check_number(name, getattr(self, name), 0.0, strict=True)
+        if self.seq_len > self.shape["n_positions"]:
+            raise ValueError(f"seq_len must be <= n_positions={self.shape['n_positions']}, got seq_len={self.seq_len}")
+
+
+def build_model(run: RunConfig) -> GPT2LMHeadModel:
+    """The dense model every rank and the reference start from (the run's seed)."""
+    return build_gpt2(run.model, run.vocab_size, run.seed, **run.overrides())
+
+
+def global_batches(run: RunConfig) -> list[dict[str, torch.Tensor]]:
+    """The run's global batches: right-padded synthetic rows, the same in every process."""
+    return make_batches(TPConfig(model=run.model, vocab_size=run.vocab_size, batch_size=run.batch_size,
+                                 seq_len=run.seq_len, steps=run.steps, seed=run.seed))
+
+
+@dataclass
+class TrainResult:
+    """What one rank measured and trained.
+
+    ``traffic`` is the last step's collectives by mesh axis ("dp", "tp", "pp", "tied"):
+    ``{collective: (calls, message bytes)}``; ``wire`` the bytes this rank sent per axis.
+    ``state`` holds the parameters this rank's stage trained, by the dense model's names
+    (tensor slice 0 of each stage only; empty unless ``run.return_state``).
+    """
+
+    rank: int
+    coords: dict[str, int]
+    plan: Plan
+    record: TrainRecord             # loss share on the last stage (NaN elsewhere), global tokens, seconds
+    traffic: dict[str, dict[str, tuple[int, int]]]
+    wire: dict[str, float]
+    state_bytes: int                # parameters + gradients + optimizer states this rank holds (tensor census)
+    num_parameters: int             # elements this rank owns after sharding
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+ModelBuilder = Callable[[RunConfig], GPT2LMHeadModel]  # the dense model from the run
+
+
+def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
+          builder: ModelBuilder = build_model) -> TrainResult:
+    """Train the plan's shard on this rank; the worker function for ``launch``.
+
+    Args:
+        rank, world_size: as ``launch`` passes them; ``world_size`` must be the plan's mesh's.
+        plan: which parallelism on which axis.
+        run: the model, batches and optimizer (the same on every rank).
+        builder: builds the dense model from ``run`` (every rank, the same weights).
+
+    Raises:
+        ValueError: a plan or run that cannot work (named in the message).
+        TimeoutError, RuntimeError: a receive or collective waited longer than ``run.timeout``
+            or its peer failed; the message names this rank, its coordinates and what it waited for.
+    """
+    require_process_group("train")
+    run.check()
+    shape = run.shape
+    plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
+    with plan.mesh.build(run.timeout) as pm:  # every group, made once; destroyed when the run ends
+        try:
+            return _train(pm, plan, run, builder)
+        finally:  # a peer still waiting for a message times out naming it, instead of seeing the group vanish
+            leave_together(pm.group("pp"), run.timeout)
+
+
+def train_many(rank: int, world_size: int, jobs: Sequence[tuple[Plan, RunConfig]]) -> list[TrainResult]:
+    """:func:`train` for each (plan, run) in turn, in one launch (starting ranks is the slow part)."""
+    return [train(rank, world_size, plan, run) for plan, run in jobs]
+
+
+def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> TrainResult:
+    d, j, t = pm.index("dp"), pm.index("pp"), pm.index("tp")
+    dp, pp = pm.size("dp"), pm.size("pp")
+    who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
+    device = rank_device()
+    sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed)  # [1]
+    stage = _stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
+    stage.train()
+    engine = ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,  # [3]
+                        layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
+    runner = StageRunner(stage, device, first=stage.first)
+    pipeline = pm.peers("pp")
+    link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
+    wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
+    schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
+    record, clock = TrainRecord(), DeviceClock([device])
+    counter = CollectiveCounter()
+    for batch in global_batches(run):
+        tokens = float(batch["label_token_weights"].sum())
+        mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [4]
+        start = clock()
+        with count_collectives() as counter:
+            loss = _step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp, plan.recompute)  # [5]
+            engine.reduce_gradients()  # [6]
+            sync_sequence_parallel_grads(stage.model)
+            for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends
+                wait_for(dist.all_reduce(engine.reduced_gradient(p), group=pm.group("tied"), async_op=True),
+                         run.timeout, f"{who}: tied embedding's gradient")
+            census = engine_census(engine)  # between backward and step: the most this rank holds
+            engine.step()  # [7]
+        record.append(loss / dp if stage.last else float("nan"), int(tokens), clock() - start)
+    traffic, wire = _by_axis(counter, pm)
+    held = census["total"]
+    owned = sum(t.numel() for t in engine.master)
+    engine.remove()  # ZeRO-3: the full parameters back in the model
+    state = dense_state(stage, pp, gather_dense(stage.model)) if run.return_state else {}
+    return TrainResult(pm.rank, pm.coords, plan, record, traffic, wire, held, owned, state if t == 0 else {})
+
+
+def _by_axis(counter: CollectiveCounter, pm: RankMesh) -> tuple[dict[str, dict[str, tuple[int, int]]],
+                                                                dict[str, float]]:
+    """Sort one step's calls by the mesh axis they ran on: a group is known by its ranks."""
+    axes = {tuple(pm.peers(a)): a for a in ("dp", "tp") if pm.size(a) > 1}
+    if pm.size("pp") > 1:
+        axes[tuple(pm.peers("tied"))] = "tied"
+    traffic: dict[str, dict[str, tuple[int, int]]] = {a: {} for a in ("dp", "tp", "pp", "tied")}
+    wire = dict.fromkeys(traffic, 0.0)
+    for call in counter.calls:
+        axis = "pp" if call.kind in ("send", "recv") else axes.get(call.ranks, "other")
+        calls, nbytes = traffic.setdefault(axis, {}).get(call.kind, (0, 0))
+        traffic[axis][call.kind] = (calls + 1, nbytes + call.nbytes)
+        wire[axis] = wire.get(axis, 0.0) + call.wire_bytes
+    return traffic, wire
