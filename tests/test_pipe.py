@@ -273,3 +273,18 @@ def test_bad_arguments_are_named():
     with Pipe(model, [0, 1], chunks=4) as pipe:  # a batch shorter than chunks: see test_pipe_bugs.py
         with pytest.raises(ValueError, match="target must be tensors with 8 rows"):
             pipe.train_step(torch.randn(8, 6), torch.randn(7, 6), mse)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_gpt2_stages_pass_the_mask_by_name_on_every_supported_transformers(attention):
+    """Eager attention gets a mask tensor: passed by position it landed in ``cache_position`` on
+    transformers 4.53 (``GPT2Block(hidden, past_key_value, cache_position, attention_mask)``)
+    and in ``attention_mask`` on 5.x; by name it is the mask on both."""
+    model = build_gpt2("tiny", vocab_size=61, n_layer=2)
+    model.config._attn_implementation = attention
+    ids = torch.randint(0, 61, (3, 10))
+    stages = gpt2_stages(model, ["cpu", "cpu"])
+    hidden = ids
+    for stage in stages:
+        hidden = stage(hidden)
+    torch.testing.assert_close(hidden, model(ids).logits)

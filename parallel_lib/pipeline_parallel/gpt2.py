@@ -24,9 +24,9 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor, nn
 from transformers import GPT2LMHeadModel
-from transformers.masking_utils import create_causal_mask
 
 from parallel_lib.model_parallel.device_map import DeviceMap
+from parallel_lib.models.attention import allowed_keys
 from parallel_lib.pipeline_parallel.microbatch import split_layers
 from parallel_lib.runtime.device import DeviceKey
 
@@ -59,11 +59,17 @@ class GPT2Blocks(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         positions = _positions(hidden)
-        # the mask GPT2Model itself would build (None with SDPA: attention is then causal by flag)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  cache=None, position_ids=positions)
+        # an additive causal mask, (1, 1, T, T): 0 where a query may see a key, the dtype's
+        # minimum elsewhere. Built here, not by transformers' mask helpers, whose names and
+        # arguments changed between 4.53 and 5.x; eager and SDPA attention both add it
+        allowed = allowed_keys(hidden.shape[1], device=hidden.device)
+        mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~allowed, torch.finfo(hidden.dtype).min)
         for block in self.blocks:
-            hidden = block(hidden, None, mask, position_ids=positions)
+            # by name: the arguments' positions differ between transformers 4.53 and 5.x, and
+            # 4.53 returns a tuple (hidden states first)
+            out = block(hidden, attention_mask=mask, position_ids=positions)
+            hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
 
