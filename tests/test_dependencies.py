@@ -59,8 +59,8 @@ def test_environment_yml_tells_conda_users_how_to_test():
 
 def test_readme_states_the_tested_versions_and_the_floor_agrees():
     readme = (ROOT / "README.md").read_text()
-    tested = re.search(r"tested with torch ([0-9.]+)\s+and transformers ([0-9.]+), the floor", readme)
-    assert tested, "README.md: the sentence 'The course is tested with torch X and transformers Y, the floor ...'"
+    tested = re.search(r"tested with torch ([0-9.]+)\s+and with transformers ([0-9.]+), the floor", readme)
+    assert tested, "README.md: the sentence 'The course is tested with torch X and with transformers Y, the floor ...'"
     floors = _pip_floors()
     assert tested.group(2) == floors["transformers"], "the tested transformers version is pyproject.toml's floor"
     assert _version(tested.group(1)) >= _version(floors["torch"])
