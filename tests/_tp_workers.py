@@ -45,7 +45,7 @@ def one_model_tp(rank: int, world_size: int, config: TPConfig, via_mesh: bool) -
 def stages_in_a_row(rank: int, world_size: int, sequence_parallel: bool) -> dict:
     """A TP shard cut into 2 pipeline stages run one after the other here: logits and loss vs the uncut shard."""
     from parallel_lib.common.models import build_gpt2
-    from parallel_lib.hybrid.tp_stages import TensorParallelStage, stage_loss
+    from parallel_lib.training.tp_stage import TensorParallelStage, stage_loss
     from parallel_lib.tensor_parallel import tensor_parallelize
 
     config = TPConfig(sequence_parallel=sequence_parallel)

@@ -57,8 +57,6 @@ TOP = max(LAYERS.values())
 SIDEWAYS = {
     ("sharding", "data_parallel"): "ZeRO's ring collectives are chapter 02's ring halves",
     ("tensor_parallel", "data_parallel"): "TP's α–β cost reuses the ring's cost model",
-    ("training", "hybrid"): "the one training entry runs chapter 10's pipeline stages split by heads "
-                            "(hybrid/tp_stages) until hybrid's runs become plans of it (issue #20)",
 }
 
 # (module, imported module) upward imports that exist today and wait for a file another part of

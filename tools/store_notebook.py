@@ -38,6 +38,7 @@ def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             continue
         if MARK in cell.source:
             cell.execution_count = 1
+            cell.outputs = _coalesce_streams(cell.outputs)
             for out in cell.outputs:
                 if "execution_count" in out:  # execute_result outputs carry one too
                     out["execution_count"] = 1
@@ -45,6 +46,19 @@ def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.execution_count = None
             cell.outputs = []
     return nb
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """One output per run of the same stream: how the kernel chunked a cell's prints is not part of it."""
+    merged: list = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if (out.get("output_type") == "stream" and last is not None and last.get("output_type") == "stream"
+                and last.get("name") == out.get("name")):
+            last["text"] = last["text"] + out["text"]
+        else:
+            merged.append(out)
+    return merged
 
 
 def problems(nb: nbformat.NotebookNode) -> list[str]:

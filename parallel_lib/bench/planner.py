@@ -5,7 +5,8 @@
 16 sequences per step) under each layout with the chapters' own engines — ZeRO 0–3 from
 ``sharding/`` (chapter 06), tensor parallelism ± sequence parallelism from ``tensor_parallel/``
 (chapter 07), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters 04, 05),
-TP×PP with and without recomputation from ``hybrid/dp_tp_pp`` (the 3D runner behind ``measure_layout``),
+TP×PP with and without recomputation as plans of the one training entry (``training.train``, behind
+``measure_layout``),
 one process with and without recomputation (chapter 08's measurement) — and puts measured step
 time and model-state bytes beside :func:`parallel_lib.planner.layout.price`'s prediction.
 Goals: step time within 25 %, model state within 5 %. ``--quick`` runs two layouts on 2 ranks.
@@ -27,7 +28,6 @@ from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import get_tokenizer
 from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid
-from parallel_lib.hybrid.dp_tp_pp import Config3D, run_3d
 from parallel_lib.planner.__main__ import describe
 from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
 from parallel_lib.planner.layout import Layout, price
@@ -38,6 +38,7 @@ from parallel_lib.runtime.launcher import launch
 from parallel_lib.sharding.train import ShardConfig, run_sharded
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.tensor_parallel.train import TPConfig, tp_worker
+from parallel_lib.training import Plan, RunConfig, train
 
 __all__ = ["Row", "jobs", "run_jobs", "run_layouts", "measure", "markdown", "main"]
 
@@ -97,12 +98,12 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
         layout = Layout(dp=world_size // t, tp=t, sequence_parallel=sp, grad_collectives=tensors)
         return layout, "tensor_parallel.tp_worker", config, tp_shape
 
-    three_d = Config3D(dp=1, tp=2, pp=2, model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH,
-                       micro_batches=4, optimizer="adamw", lr=1e-3, steps=steps)
+    three_d = RunConfig(model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH, lr=1e-3, steps=steps,
+                        return_state=False)
 
     def grid(rc: bool) -> tuple[Layout, str, Any, GPTShape]:
         layout = Layout(tp=2, pp=2, micro_batches=4, recompute=rc)
-        return layout, "hybrid.run_3d", replace(three_d, recompute=rc), tp_shape
+        return layout, "training.train", (Plan(tp=2, pp=2, micro_batches=4, recompute=rc), three_d), tp_shape
 
     if quick:
         return [zero(0), pipe(1, "1f1b", 4)]
@@ -130,12 +131,20 @@ def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], alone:
     speed = collective_worker(rank, world_size, SIZES, repeats, alone)
     out = []
     if work and warm_up:  # a first run pays for lazy set-up (allocator, gloo pairs, kernels): one short run, not timed
-        _run(rank, world_size, work[0][0], replace(work[0][1], steps=2))
+        _run(rank, world_size, work[0][0], _shortened(work[0][1]))
     for engine, config in work:
         before = _probe()
         times, state = _run(rank, world_size, engine, config)
         out.append((times, state, (before + _probe()) / 2))  # the machine's speed around the run
     return speed, out
+
+
+def _shortened(config: Any) -> Any:
+    """The same run for 2 steps (a warm-up); ``training.train``'s config is a ``(Plan, RunConfig)`` pair."""
+    if isinstance(config, tuple):
+        plan, run = config
+        return plan, replace(run, steps=2)
+    return replace(config, steps=2)
 
 
 def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[float], float]:
@@ -146,9 +155,10 @@ def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[flo
     if engine == "tensor_parallel.tp_worker":
         t = tp_worker(rank, world_size, config, return_state=False)
         return t.record.step_times, 4.0 * t.parameter_bytes  # + gradients + AdamW's two moments
-    if engine == "hybrid.run_3d":
-        g = run_3d(rank, world_size, config)
-        return g.step_times, float(g.state_bytes)
+    if engine == "training.train":
+        plan, run = config
+        g = train(rank, world_size, plan, run)
+        return g.record.step_times, float(g.state_bytes)
     h = run_hybrid(rank, world_size, config)
     return h.record.step_times, float(h.state_bytes)
 

@@ -29,7 +29,7 @@ Every collective of a step is counted and sorted by the mesh axis it ran on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,6 @@ from parallel_lib.common.models import GPT2_SIZES, build_gpt2
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
-from parallel_lib.hybrid.dp_tp_pp import _stage_on_device, _step
-from parallel_lib.hybrid.tp_stages import dense_state
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner
@@ -54,8 +52,10 @@ from parallel_lib.tensor_parallel.convert import gather_dense, tensor_paralleliz
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.train import TPConfig, make_batches
 from parallel_lib.training.plan import Plan
+from parallel_lib.training.step import pipeline_step, stage_on_device
+from parallel_lib.training.tp_stage import dense_state
 
-__all__ = ["RunConfig", "TrainResult", "train", "train_many", "global_batches", "build_model"]
+__all__ = ["RunConfig", "TrainResult", "train", "train_many", "global_batches", "build_model", "check_layout"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,17 @@ class RunConfig:
             check_number(name, getattr(self, name), 0.0, strict=True)
         if self.seq_len > self.shape["n_positions"]:
             raise ValueError(f"seq_len must be <= n_positions={self.shape['n_positions']}, got seq_len={self.seq_len}")
+
+
+def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -> None:
+    """Refuse, before any rank starts, a run or a plan that cannot work on ``world_size`` ranks and the run's model.
+
+    Raises:
+        ValueError: what :meth:`RunConfig.check` and :meth:`Plan.check` refuse (named in the message).
+    """
+    run.check()
+    shape = run.shape
+    plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
 
 
 def build_model(run: RunConfig) -> GPT2LMHeadModel:
@@ -152,9 +163,7 @@ def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
             or its peer failed; the message names this rank, its coordinates and what it waited for.
     """
     require_process_group("train")
-    run.check()
-    shape = run.shape
-    plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
+    check_layout(plan, run, world_size)
     with plan.mesh.build(run.timeout) as pm:  # every group, made once; destroyed when the run ends
         try:
             return _train(pm, plan, run, builder)
@@ -173,7 +182,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
     device = rank_device()
     sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed)  # [1]
-    stage = _stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
+    stage = stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
     engine = ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,  # [3]
                         layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
@@ -189,7 +198,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
         mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [4]
         start = clock()
         with count_collectives() as counter:
-            loss = _step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp, plan.recompute)  # [5]
+            loss = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp, plan.recompute)  # [5]
             engine.reduce_gradients()  # [6]
             sync_sequence_parallel_grads(stage.model)
             for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends

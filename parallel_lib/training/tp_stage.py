@@ -17,7 +17,8 @@ Tied embedding. The head is the embedding matrix. With one stage it is the same
 parameter; over several, the last stage gets a copy of its vocabulary slice (as
 :func:`~parallel_lib.pipeline_parallel.gpt2.gpt2_stages` does for the whole matrix), and
 the two copies' gradients are summed between first and last stage of the same slice
-(:class:`~parallel_lib.hybrid.gradients.StageGradients`).
+(:func:`~parallel_lib.training.run.train` gives each copy a ZeRO group of its own and all-reduces
+its reduced shard over ``pm.group("tied")``).
 """
 
 from __future__ import annotations
