@@ -51,6 +51,7 @@ def exit_on_rank_1(rank: int, world_size: int) -> int:
 def count_every_kind(rank: int, world_size: int) -> tuple[dict, float, float]:
     """Issue one collective of each kind inside ``count_collectives``; return what was counted."""
     from parallel_lib.runtime.collectives import count_collectives
+    from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 
     x = torch.ones(1000)  # 4000 bytes
     peer = (rank + 1) % world_size
@@ -59,8 +60,8 @@ def count_every_kind(rank: int, world_size: int) -> tuple[dict, float, float]:
         dist.all_reduce(x)
         with count_collectives() as inner:
             shard = torch.empty(1000 // world_size)
-            dist.reduce_scatter_tensor(shard, x)
-            dist.all_gather_into_tensor(torch.empty(1000), shard)
+            reduce_scatter_single(shard, x)
+            all_gather_single(torch.empty(1000), shard)
         received = torch.empty(10)
         ops = [dist.P2POp(dist.isend, torch.full((10,), float(rank)), peer), dist.P2POp(dist.irecv, received, source)]
         for work in dist.batch_isend_irecv(ops):

@@ -31,6 +31,7 @@ from parallel_lib.data_parallel import (
     ring_steps,
 )
 from parallel_lib.runtime import launch
+from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 
 RING_SIZES = (1, 7, 1000, 2**20 + 3)
 VOCAB = 97
@@ -212,10 +213,10 @@ def ring_halves_and_batches(rank: int, world_size: int) -> dict:
         before = x.clone()
         mine, theirs = torch.empty(shard), torch.empty(shard)
         ring_reduce_scatter(mine, x)
-        dist.reduce_scatter_tensor(theirs, x.clone())
+        reduce_scatter_single(theirs, x.clone())
         gathered, expected = torch.empty(shard * world_size), torch.empty(shard * world_size)
         ring_all_gather(gathered, mine)
-        dist.all_gather_into_tensor(expected, mine)
+        all_gather_single(expected, mine)
         out[shard] = ((mine - theirs).abs().max().item(), (gathered - expected).abs().max().item(),
                       torch.equal(x, before))
     out["size_error"] = _expect_error(ValueError, ring_reduce_scatter, torch.empty(3), torch.empty(3 * world_size + 1))

@@ -46,6 +46,8 @@ def test_floors_cover_the_apis_the_code_imports():
     floors = _pip_floors()
     if "transformers.masking_utils" in SOURCE:  # the GPT-2 pipeline stages' causal mask
         assert _version(floors["transformers"]) >= (4, 53), "transformers.masking_utils first shipped in 4.53"
+    if re.search(r"create_causal_mask\([^)]*\bcache=", SOURCE):
+        assert _version(floors["transformers"]) >= (5, 24), "create_causal_mask's cache= (was past_key_values=) is 5.24's"
     if "torch.distributed.pipelining" in SOURCE:  # bench pp's comparison with PyTorch's schedules
         assert _version(floors["torch"]) >= (2, 4), "torch.distributed.pipelining first shipped in torch 2.4"
 
@@ -53,3 +55,12 @@ def test_floors_cover_the_apis_the_code_imports():
 def test_environment_yml_tells_conda_users_how_to_test():
     assert "conda env create -f environment.yml" in ENVIRONMENT
     assert "python -m pytest tests" in ENVIRONMENT and "--nbval-lax" in ENVIRONMENT
+
+
+def test_readme_states_the_tested_versions_and_the_floor_agrees():
+    readme = (ROOT / "README.md").read_text()
+    tested = re.search(r"tested with torch ([0-9.]+)\s+and with transformers ([0-9.]+), the floor", readme)
+    assert tested, "README.md: the sentence 'The course is tested with torch X and with transformers Y, the floor ...'"
+    floors = _pip_floors()
+    assert tested.group(2) == floors["transformers"], "the tested transformers version is pyproject.toml's floor"
+    assert _version(tested.group(1)) >= _version(floors["torch"])

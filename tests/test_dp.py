@@ -22,6 +22,7 @@ from parallel_lib.data_parallel import (
     train_replica,
 )
 from parallel_lib.data_parallel.cli import main
+from parallel_lib.data_parallel.dp import prepare_replica
 from parallel_lib.runtime import launch
 
 # SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would hide a
@@ -187,3 +188,10 @@ def test_drift_per_module_and_the_pictures(launched):
                 render_throughput({"run": by_sync["bucketed"]}), render_partitions(10, world_size, 2 * world_size)):
         assert fig.axes
         plt.close(fig)
+
+
+def test_the_default_model_is_the_same_on_every_device():
+    # one stated default: the one-process reference builds the same model on the CPU
+    assert DPConfig().model == "tiny"
+    with pytest.raises(ValueError, match=r"model must be one of \['gpt2', 'small', 'tiny'\], got model=None"):
+        prepare_replica(DPConfig(model=None), torch.device("cpu"))

@@ -32,6 +32,7 @@ from parallel_lib.planner.__main__ import describe
 from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
 from parallel_lib.planner.layout import Layout, price
 from parallel_lib.planner.model_step import PROBE_BATCH, step_key, time_step
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.sharding.train import ShardConfig, run_sharded
@@ -113,7 +114,7 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
 
 def _probe() -> float:
     """Seconds of one step of the calibration's model on every rank at once, averaged: how busy the machine is now."""
-    seconds = torch.tensor(time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3))
+    seconds = torch.tensor(time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3), device=rank_device())  # NCCL: on the GPU
     dist.all_reduce(seconds)
     return float(seconds) / dist.get_world_size()
 

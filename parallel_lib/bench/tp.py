@@ -136,8 +136,8 @@ def markdown(results: Results) -> str:
         rate = _rate(results, shape, results.runs[(name, 1, "course")].step_seconds)
         sp = impl == "course+SP"
         predicted = step_seconds(shape, c.batch_size, c.seq_len, tp, rate, bw, lat, sp)["total"]
-        # DTensor calls functional collectives (torch.ops._c10d_functional), which the counter does not see
-        sent = "not counted" if impl == "DTensor" else f"{run.wire_bytes / 1e6:,.2f}"
+        # DTensor's functional collectives are counted too (runtime.collectives sees them as CommDebugMode does)
+        sent = f"{run.wire_bytes / 1e6:,.2f}"
         rows.append([name, tp, impl if tp > 1 else "1 rank (dense)", f"{run.step_seconds * 1e3:,.0f}",
                      f"{tokens / run.step_seconds:,.0f}", f"{predicted * 1e3:,.0f}", f"{run.parameter_bytes / 1e6:,.1f}",
                      f"{run.activation_bytes / 1e6:,.1f}", sent])

@@ -50,7 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel_lib.common.models import build_gpt2
+from parallel_lib.common.checks import check_choice
+from parallel_lib.common.models import GPT2_SIZES, build_gpt2
 from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord, evaluate, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
@@ -73,7 +74,7 @@ class DPConfig:
     """One data-parallel run; every rank gets the same config."""
 
     sync: str = "bucketed"             # one of SYNC_METHODS
-    model: Optional[str] = None        # a models.GPT2_SIZES name; None: "tiny" on CPU, "gpt2" on GPUs
+    model: str = "tiny"                # a models.GPT2_SIZES name, on every device ("gpt2": the real 124M shape)
     batch_size: int = 32               # the GLOBAL batch; each rank loads batch_size // world_size
     epochs: int = 1
     max_steps: Optional[int] = None    # steps per epoch (None: the whole shard)
@@ -123,15 +124,12 @@ class DPResult:
 def _check_config(config: DPConfig) -> None:
     if config.sync not in SYNC_METHODS:
         raise ValueError(f"sync must be one of {SYNC_METHODS}, got sync={config.sync!r}")
+    check_choice("model", config.model, sorted(GPT2_SIZES))
     if config.optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got optimizer={config.optimizer!r}")
     for name in ("epochs", "batch_size", "max_length", "val_examples"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {name}={getattr(config, name)!r}")
-
-
-def _model_name(config: DPConfig, device: torch.device) -> str:
-    return config.model or ("gpt2" if device.type == "cuda" else "tiny")
 
 
 def prepare_replica(config: DPConfig, device: torch.device
@@ -140,7 +138,7 @@ def prepare_replica(config: DPConfig, device: torch.device
     _check_config(config)
     pairs = load_corpus("train", size=config.train_examples)
     tokenizer = get_tokenizer(pairs, vocab_size=config.vocab_size)
-    model = build_gpt2(_model_name(config, device), vocab_size=len(tokenizer), seed=config.seed).to(device)
+    model = build_gpt2(config.model, vocab_size=len(tokenizer), seed=config.seed).to(device)
     if config.max_length > model.config.n_positions:
         raise ValueError(f"max_length must be <= the model's n_positions={model.config.n_positions}, "
                          f"got max_length={config.max_length}")
@@ -250,7 +248,7 @@ def train_replica(rank: int, world_size: int, config: DPConfig) -> DPResult:
             sync.remove()
     val_batches = [collate(chunk) for chunk in _chunks(load_corpus("validation", size=config.val_examples), 64)]
     params = [p.detach() for p in model.parameters()]
-    return DPResult(rank, world_size, config, _model_name(config, device), str(device), record=TrainRecord(),
+    return DPResult(rank, world_size, config, config.model, str(device), record=TrainRecord(),
                     local=local, epoch_times=epoch_times, val_loss=evaluate(model, val_batches),
                     checksum=float(sum(p.double().sum() for p in params)),
                     state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -38,6 +38,8 @@ import torch.distributed as dist
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.common.machine_speed import measure_machine_speed
 from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
 
 __all__ = ["KINDS", "AlphaBeta", "RankSpeed", "Calibration", "hops", "fit_alpha_beta", "collective_worker",
@@ -77,8 +79,9 @@ def fit_alpha_beta(kind: str, group_size: int, nbytes: Sequence[float], seconds:
     if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
         raise ValueError(f"need matching sizes and times with >= 2 distinct sizes, got {len(nbytes)} sizes and "
                          f"{len(seconds)} times")
-    wire = torch.tensor([ring_wire_bytes(kind, s, group_size) for s in nbytes], dtype=torch.float64)
-    y = torch.tensor(list(seconds), dtype=torch.float64)
+    # host arithmetic, whatever the default device
+    wire = torch.tensor([ring_wire_bytes(kind, s, group_size) for s in nbytes], dtype=torch.float64, device="cpu")
+    y = torch.tensor(list(seconds), dtype=torch.float64, device="cpu")
     design = torch.stack([wire, torch.full_like(wire, float(hops(kind, group_size)))], dim=1)
     slope, alpha = torch.linalg.lstsq(design / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0].tolist()
     if slope <= 1e-13:  # a loaded machine (no growth, or faster than 10 TB/s): fall back on the two extreme sizes
@@ -103,15 +106,24 @@ class RankSpeed:
         return self.links[kind].seconds(kind, nbytes, group_size) if group_size > 1 else 0.0
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (a collective returns as soon as it is enqueued); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    device = rank_device()
     fn()  # warm-up: buffers, connections
     times = []
     for _ in range(repeats):
+        _synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         fn()
+        _synchronize(device)
         times.append(time.perf_counter() - start)
-    median = torch.tensor(statistics.median(times))
+    median = torch.tensor(statistics.median(times), device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the collective lasts until its slowest rank is done
     return float(median)
 
@@ -122,8 +134,11 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
 
     A model's step is fitted once, in one process alone (two parameters need quiet measurements);
     at ``world_size`` ranks it is slowed by the ratio of the matmul rates measured here
-    (:meth:`Calibration.step_cost`).
+    (:meth:`Calibration.step_cost`). Every tensor handed to a collective lives on the device the
+    launch gave this rank (:func:`~parallel_lib.runtime.device.rank_device`: its GPU under NCCL,
+    the CPU under gloo); the compute rates and the model's step are the CPU's.
     """
+    device = rank_device()
     torch.set_num_threads(1)
     dist.barrier()
     speed = measure_machine_speed("cpu", size=512, megabytes=32, repeats=repeats)
@@ -132,7 +147,8 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
     # a model step on every rank at once, against the same step in one process alone
     models = sorted(alone.ranks[1].step_times) if alone is not None else []
     numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second] +
-                           [time_step(*_model_of(key), repeats=repeats) for key in models], dtype=torch.float64)
+                           [time_step(*_model_of(key), repeats=repeats) for key in models], dtype=torch.float64,
+                           device=device)
     dist.all_reduce(numbers)  # the mean rank: every rank runs the same share of a layout
     numbers /= world_size
     steps, step_times = {}, {}
@@ -146,16 +162,18 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
         times = []
         for nbytes in sizes:
             n = nbytes // 4
-            x, out = torch.ones(n), torch.empty(n * world_size if kind == "all_gather" else max(n // world_size, 1))
+            x = torch.ones(n, device=device)
+            out = torch.empty(n * world_size if kind == "all_gather" else max(n // world_size, 1), device=device)
             if kind == "all_reduce":
                 fn = lambda: dist.all_reduce(x)  # noqa: E731
             elif kind == "reduce_scatter":
-                fn = lambda: dist.reduce_scatter_tensor(out, x[:out.numel() * world_size])  # noqa: E731
+                fn = lambda: reduce_scatter_single(out, x[:out.numel() * world_size])  # noqa: E731
             elif kind == "all_gather":  # the counter records the gathered size: time that message
-                x = torch.ones(n // world_size)
-                fn = lambda: dist.all_gather_into_tensor(out[:x.numel() * world_size], x)  # noqa: E731
+                x = torch.ones(n // world_size, device=device)
+                fn = lambda: all_gather_single(out[:x.numel() * world_size], x)  # noqa: E731
             else:  # a ring of sends: every rank sends to the next and receives from the previous
-                peer_to, peer_from, buf = (rank + 1) % world_size, (rank - 1) % world_size, torch.empty(n)
+                peer_to, peer_from = (rank + 1) % world_size, (rank - 1) % world_size
+                buf = torch.empty(n, device=device)
                 fn = lambda: [w.wait() for w in dist.batch_isend_irecv(  # noqa: E731
                     [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)])]
             times.append(_timed(fn, repeats))

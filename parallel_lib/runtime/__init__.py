@@ -12,13 +12,16 @@ What launches ranks, file by file:
 - ``spawned``: the rank's entry point and its watch on the parent;
 - ``supervise``: waiting for the ranks (start-up and run timeouts) and stopping them;
 - ``failures``: ``RankError``/``LaunchTimeoutError`` and what each symptom usually means;
-- ``mesh``: the ranks on named axes (dp, pp, ep, cp, tp) and every process group, built once.
+- ``mesh``: the ranks on named axes (dp, pp, ep, cp, tp) and every process group, built once;
+- ``guard``: the collective guard, which checks NCCL's two rules (tensors on the backend's
+  device, point-to-point only inside ``batch_isend_irecv``) on a CPU run.
 """
 
 from parallel_lib.runtime.collectives import CollectiveCall, CollectiveCounter, count_collectives, ring_wire_bytes
 from parallel_lib.runtime.device import DeviceKey, check_device_keys, cpu_count, devices, rank_device, resolve_device
 from parallel_lib.runtime.mesh import AXES, MEGATRON_ORDER, Mesh, RankMesh
 from parallel_lib.runtime.environment import all_reduce_demo, environment_info, environment_report, machine_label
+from parallel_lib.runtime.guard import CollectiveGuardError, allow_bare_p2p, collective_guard, guard_from_environment
 from parallel_lib.runtime.launcher import (
     BACKENDS,
     LaunchTimeoutError,
@@ -40,6 +43,10 @@ __all__ = [
     "CollectiveCounter",
     "count_collectives",
     "ring_wire_bytes",
+    "CollectiveGuardError",
+    "collective_guard",
+    "allow_bare_p2p",
+    "guard_from_environment",
     "DeviceKey",
     "cpu_count",
     "rank_device",

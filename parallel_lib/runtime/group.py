@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_lib.runtime.device import cpu_count
+from parallel_lib.runtime.guard import guard_from_environment
 
 __all__ = ["BACKENDS", "RankInfo", "resolve_backend", "loopback_interface", "loopback_store", "process_group"]
 
@@ -132,7 +133,11 @@ def loopback_store(host: str, timeout: float) -> dist.TCPStore:
 @contextmanager
 def process_group(info: RankInfo, backend: str, timeout: float,
                   threads_per_rank: int | None, store: dist.Store | None = None) -> Iterator[None]:
-    """Join the default process group for the body, and always leave it afterwards."""
+    """Join the default process group for the body, and always leave it afterwards.
+
+    With ``PARALLEL_LIB_GUARD=1`` in the environment (the test suite sets it), the body runs
+    under the collective guard (:mod:`parallel_lib.runtime.guard`).
+    """
     # ranks on one host share its cores: oversubscribed intra-op threads slow every rank down
     torch.set_num_threads(threads_per_rank or max(1, cpu_count() // info.local_world_size))
     if backend == "nccl":
@@ -145,6 +150,7 @@ def process_group(info: RankInfo, backend: str, timeout: float,
         # that finished at once would then close its sockets under that peer ("Connection closed
         # by peer"). One barrier means every rank has joined before any starts its work.
         dist.barrier(device_ids=[info.local_rank]) if backend == "nccl" else dist.barrier()
+        guard_from_environment()
         yield
     finally:  # even when fn raises, so the next run in this process starts clean
         dist.destroy_process_group()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import time
@@ -58,6 +59,12 @@ __all__ = ["RankError", "LaunchTimeoutError", "RankInfo", "BACKENDS", "launch", 
 # by the next launch, as with ``spawn``).
 PRELOAD = ("torch", "torch.distributed", "transformers.models.gpt2.modeling_gpt2")
 
+# Set in the fork server's environment only: torch.cuda.is_available() and device_count() then ask
+# NVML instead of the CUDA driver, so that nothing the preloaded modules do at import initialises
+# CUDA in the server. A CUDA context does not survive fork: every rank forked from such a server
+# would fail at its first CUDA call ("Cannot re-initialize CUDA in forked subprocess").
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
 
 def rank_context() -> Any:
     """The multiprocessing context ranks start from: a fork server with ``PRELOAD``, else spawn.
@@ -69,7 +76,25 @@ def rank_context() -> Any:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: it has them
+    start_fork_server()
     return context
+
+
+def start_fork_server() -> None:
+    """Start the fork server (if it is not running) with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` in its environment.
+
+    The server inherits this process's environment when it starts; the variable is set for that
+    moment only, so the caller's own environment (which every rank receives) is left as it was.
+    """
+    before = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = before
 
 
 def _check_fn(fn: Any) -> None:

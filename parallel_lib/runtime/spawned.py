@@ -22,14 +22,15 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from parallel_lib.runtime.group import RankInfo, loopback_interface, process_group
 from parallel_lib.runtime.payload import dumps, unpack_job
 
-__all__ = ["rank_main", "watch_parent"]
+__all__ = ["rank_main", "watch_parent", "check_cuda_untouched"]
 
 _PARENT_POLL_S = 0.25  # how often a rank checks that its caller is still alive
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -81,6 +82,24 @@ def _let_fork_server_exit() -> None:
         server._forkserver_alive_fd = None
 
 
+def check_cuda_untouched(rank: int, is_initialized: Callable[[], bool] = torch.cuda.is_initialized) -> None:
+    """Raise unless CUDA is still uninitialised in this rank, as it must be before ``torch.cuda.set_device``.
+
+    A rank forked from a fork server inherits the server's CUDA state, and a CUDA context does
+    not survive ``fork``: the rank's first CUDA call would fail, or hang, far from the cause.
+    ``launch`` starts the server so that importing its modules cannot initialise CUDA
+    (``PYTORCH_NVML_BASED_CUDA_CHECK=1``); this check catches whatever still does.
+
+    Raises:
+        RuntimeError: CUDA was initialised before the rank chose its GPU.
+    """
+    if is_initialized():
+        raise RuntimeError(f"rank {rank}: CUDA is already initialised before torch.cuda.set_device; the rank was "
+                           "forked from a process that had initialised CUDA (a preloaded module or code run at "
+                           "import time touched the GPU), and a CUDA context does not survive fork. Move the CUDA "
+                           "call out of module import time, into the worker function")
+
+
 def _send(conn: multiprocessing.connection.Connection, status: str, value: Any) -> None:
     conn.send_bytes(dumps((status, value, time.time())))
 
@@ -106,6 +125,8 @@ def rank_main(payload: bytes, rank: int, port: int, conn: multiprocessing.connec
         if job.backend == "gloo":  # never try an external interface: every rank is on this host
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         try:
+            if job.backend == "nccl":
+                check_cuda_untouched(rank)  # before process_group's set_device
             store = dist.TCPStore(job.host, port, is_master=False,
                                   timeout=timedelta(seconds=job.startup_timeout))
             # the group's own timeout bounds each collective; it also covers joining, hence the max

@@ -36,6 +36,7 @@ from torch import nn
 from parallel_lib.common.checks import check_choice, positive_number
 from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.data_parallel.ring import require_process_group, ring_all_gather, ring_reduce_scatter
+from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 from parallel_lib.sharding.flat import FlatParamGroup, make_buckets
 from parallel_lib.sharding.layers import StageThreeHooks, layer_modules
 
@@ -179,17 +180,14 @@ class ZeroEngine:
         if self.collectives == "ring":
             ring_reduce_scatter(output, input, group=self.group)
             return None
-        # torch >= 2.10 names it reduce_scatter_single and deprecates the old name
-        collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return collective(output, input, group=self.group, async_op=async_op)
+        return reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """[3] Every rank's ``input`` into ``output``, in rank order."""
         if self.collectives == "ring":
             ring_all_gather(output, input, group=self.group)
             return None
-        collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return collective(output, input, group=self.group, async_op=async_op)
+        return all_gather_single(output, input, group=self.group, async_op=async_op)
 
     def _timed(self, label: str, fn: Callable[[], Any]) -> Any:
         """Run the collective ``fn`` as a "comm" event: to its end on a GPU, to its return on a CPU."""

@@ -39,6 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
+
 __all__ = ["RegionEvent", "record_regions", "group_size", "group_rank", "copy_to_tensor_parallel_region",
            "reduce_from_tensor_parallel_region", "gather_from_tensor_parallel_region",
            "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
@@ -124,8 +126,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
     out = moved.new_empty((n * moved.shape[0],) + tuple(moved.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.9
-    gather(out, moved, group=group)
+    all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -139,8 +140,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
                          f"use a sequence length divisible by the tensor-parallel size")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // n,) + tuple(moved.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, moved, group=group)
+    reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
