@@ -150,6 +150,13 @@ def test_tensor_times_data_parallel_on_four_ranks_equals_one_process():
     assert max(max_difference(results, state).values()) < 3e-4
 
 
+def test_a_tp_that_does_not_divide_the_world_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="tp=2 must divide world_size=3"):
+        tp_layout(TPConfig(tp=2), 3)
+    with pytest.raises(ValueError, match="world_size"):
+        tp_layout(TPConfig(), 0)
+
+
 def test_heads_not_divisible_and_foreign_group_are_clear_errors():
     results = launch(bad_input_check, 3, backend="gloo", timeout=120)
     assert "n_head=4 is not divisible by the tensor-parallel size tp=3" in results[1]["heads"]
