@@ -40,5 +40,5 @@ def check_tensor_parallel(n_gpus: int, quick: bool = False) -> str:
     return "\n".join([f"Tensor parallelism on {n_gpus} ranks ({launch.__module__} picks NCCL with a GPU per rank): "
                       "the gathered parameters after AdamW steps match one process on the CPU:", "",
                       markdown_table(["tp", "dp", "sequence parallel", "max abs parameter difference",
-                                      "max relative loss difference", "target tokens/s (rank 0)",
+                                      "max relative loss difference", "target tokens/s (every replica)",
                                       "activations MB (rank 0)"], rows, "rrlrrrr")])
