@@ -8,7 +8,7 @@ from parallel_lib.models import build_model
 from parallel_lib.runtime.mesh import Mesh
 from parallel_lib.tensor_parallel import gather_dense, parallelize_tp, sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel import regions as R
-from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 
 
 def train_steps(model: torch.nn.Module, config: TPConfig, group=None) -> tuple[torch.Tensor, list[float]]:

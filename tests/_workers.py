@@ -109,12 +109,13 @@ def tp_runs_leave_no_groups(rank: int, world_size: int, config) -> tuple[int, in
     """Process groups alive before, between and after two tensor-parallel runs in one launch."""
     from torch.distributed import distributed_c10d as c10d
 
-    from parallel_lib.tensor_parallel import tp_worker
+    from parallel_lib.training import tp_layout, train
 
+    plan, run = tp_layout(config, world_size, return_state=False)
     before = len(c10d._world.pg_map)
-    tp_worker(rank, world_size, config, return_state=False)
+    train(rank, world_size, plan, run)
     between = len(c10d._world.pg_map)
-    tp_worker(rank, world_size, config, return_state=False)
+    train(rank, world_size, plan, run)
     return before, between, len(c10d._world.pg_map)
 
 

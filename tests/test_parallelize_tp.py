@@ -8,7 +8,7 @@ import torch
 from parallel_lib.models import build_model, to_hf
 from parallel_lib.runtime import launch
 from parallel_lib.tensor_parallel import gather_dense, parallelize_tp
-from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 from _tp_workers import one_model_tp, stages_in_a_row, train_steps
 
 

@@ -18,18 +18,17 @@ from parallel_lib.runtime import launch
 from parallel_lib.tensor_parallel import (
     GPTShape,
     TPConfig,
-    dense_run,
     gather_dense,
     layer_collectives,
     naive_qkv_rows,
     qkv_rows,
     step_collectives,
     tensor_parallelize,
-    tp_worker,
 )
 from parallel_lib.tensor_parallel.cost import shard_parameters
 from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, mlp_check
 from parallel_lib.tensor_parallel.vocab import vocab_range
+from parallel_lib.training import max_difference, reference, tp_layout, train
 
 TOL = 1e-5
 
@@ -106,16 +105,23 @@ def test_naive_c_attn_split_is_wrong():
     assert result["logits"] > 1e-2 and result["grads"] > 1e-3
 
 
+def _global_losses(results) -> list[float]:
+    """Every step's global loss: the sum of the replicas' shares (tensor slice 0 of each replica)."""
+    shares = [r.record.losses for r in results if r.coords["tp"] == 0]
+    return [sum(step) for step in zip(*shares)]
+
+
 def test_training_with_tp_and_sp_equals_one_process_and_sp_saves_activations():
     saved = {}
     for sequence_parallel in (False, True):
         config = TPConfig(sequence_parallel=sequence_parallel, steps=3)
-        results = launch(tp_worker, 2, config, backend="gloo", timeout=180)
-        losses, state = dense_run(config)
+        plan, run = tp_layout(config, 2)
+        results = launch(train, 2, plan, run, backend="gloo", timeout=180)
+        losses, state = reference(run)
         shape = GPTShape.of(gpt2_config(config.model, config.vocab_size))
-        assert results[0].record.losses == pytest.approx(losses, rel=1e-5)
+        assert _global_losses(results) == pytest.approx(losses, rel=1e-5)
         # AdamW turns gradient differences of ~1e-8 into updates of up to lr on near-zero gradients
-        assert max((results[0].state[k] - state[k]).abs().max() for k in state) < 3e-4
+        assert max(max_difference(results, state).values()) < 3e-4
         for r in results:
             assert r.collectives == step_collectives(shape, config.batch_size, config.seq_len, 2, sequence_parallel)
             assert r.parameter_bytes == 4 * shard_parameters(shape, 2)
@@ -125,20 +131,30 @@ def test_training_with_tp_and_sp_equals_one_process_and_sp_saves_activations():
 
 def test_four_way_training_and_dropout_equal_one_process():
     config = TPConfig(dropout=0.1, steps=2)
-    results = launch(tp_worker, 4, config, backend="gloo", timeout=180)
-    losses, state = dense_run(config)
-    assert results[0].record.losses == pytest.approx(losses, rel=1e-5)
-    assert losses != pytest.approx(dense_run(TPConfig(steps=2))[0], rel=1e-4)  # the dropout did drop
-    assert max((results[0].state[k] - state[k]).abs().max() for k in state) < 3e-4
+    plan, run = tp_layout(config, 4)
+    results = launch(train, 4, plan, run, backend="gloo", timeout=180)
+    losses, state = reference(run)  # the one GPT-2 drawing the same seeded masks in one process
+    assert _global_losses(results) == pytest.approx(losses, rel=1e-5)
+    assert losses != pytest.approx(reference(tp_layout(TPConfig(steps=2), 4)[1])[0], rel=1e-4)  # the dropout did drop
+    assert max(max_difference(results, state).values()) < 3e-4
 
 
 def test_tensor_times_data_parallel_on_four_ranks_equals_one_process():
     config = TPConfig(tp=2, steps=2, sequence_parallel=True)
-    results = launch(tp_worker, 4, config, backend="gloo", timeout=180)
-    losses, state = dense_run(config, dp=2)
-    assert [(r.tp, r.dp) for r in results] == [(2, 2)] * 4
-    assert results[0].record.losses == pytest.approx(losses, rel=1e-5)
-    assert max((results[0].state[k] - state[k]).abs().max() for k in state) < 3e-4
+    plan, run = tp_layout(config, 4)
+    results = launch(train, 4, plan, run, backend="gloo", timeout=180)
+    losses, state = reference(run)
+    assert [(r.plan.tp, r.plan.dp) for r in results] == [(2, 2)] * 4
+    assert [(r.coords["dp"], r.coords["tp"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # rank = d·tp + t
+    assert _global_losses(results) == pytest.approx(losses, rel=1e-5)
+    assert max(max_difference(results, state).values()) < 3e-4
+
+
+def test_a_tp_that_does_not_divide_the_world_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="tp=2 must divide world_size=3"):
+        tp_layout(TPConfig(tp=2), 3)
+    with pytest.raises(ValueError, match="world_size"):
+        tp_layout(TPConfig(), 0)
 
 
 def test_heads_not_divisible_and_foreign_group_are_clear_errors():

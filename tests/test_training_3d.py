@@ -75,7 +75,8 @@ def expected() -> dict[RunConfig, tuple[list[float], dict[str, torch.Tensor]]]:
 
 @pytest.mark.parametrize("change, match", [
     (dict(tp=3), "world_size"), (dict(tp=8, dp=1, pp=1), "n_head"), (dict(batch_size=6), "batch_size"),
-    (dict(pp=8, dp=1, tp=1), "pp"), (dict(schedule="zb"), "schedule")])
+    (dict(pp=8, dp=1, tp=1), "pp"), (dict(schedule="zb"), "schedule"), (dict(dropout=1.0), "dropout must be below 1"),
+    (dict(dropout=-0.1), "dropout")])
 def test_a_layout_that_cannot_run_is_refused_before_any_rank_starts(change, match):
     plan_fields, run_fields = split_fields(**change)
     with pytest.raises(ValueError, match=match):
@@ -249,3 +250,17 @@ def test_the_formulas_flat_groups_are_the_engines_with_several_buckets():
     for (zero, j), groups in engine.items():
         assert dp_groups(SHAPE, 1, 2, j == 0, j == 1, 2, zero, 2, bucket_cap_mb=cap) == groups, (zero, j)
         assert len(groups) > 3, groups
+
+
+def test_dropout_through_a_tp_pipeline_with_recomputation_draws_one_process_masks():
+    """Every stage numbers a micro-batch's forward as one process does, in its recomputation too."""
+    run = RunConfig(dropout=0.1, steps=2, batch_size=4)
+    plans = [Plan(tp=2, pp=2, micro_batches=1, recompute=True), Plan(tp=2, pp=2, micro_batches=1, schedule="gpipe")]
+    per_rank = launch(train_many, 4, [(plan, run) for plan in plans], backend="gloo", timeout=180)
+    losses, state = reference(run)
+    assert losses != pytest.approx(reference(replace(run, dropout=0.0))[0], rel=1e-4)  # the dropout did drop
+    for k, plan in enumerate(plans):
+        results = [r[k] for r in per_rank]
+        shares = [r.record.losses for r in results if r.coords["pp"] == 1 and r.coords["tp"] == 0]
+        assert [sum(step) for step in zip(*shares)] == pytest.approx(losses, rel=1e-5), plan.name
+        assert max(max_difference(results, state).values()) < 3e-4, plan.name

@@ -18,7 +18,7 @@ from parallel_lib.data_parallel.ring import fit_allreduce_cost
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.tensor_parallel.convert import tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
-from parallel_lib.tensor_parallel.train import saved_activation_bytes
+from parallel_lib.tensor_parallel.batches import saved_activation_bytes
 
 __all__ = ["Run", "IMPLEMENTATIONS", "timed_steps", "allreduce_fit", "measure_all"]
 

@@ -3,10 +3,9 @@
 ``python -m parallel_lib.bench planner [--quick]`` calibrates this machine
 (:func:`parallel_lib.planner.calibrate.calibrate`), then runs tiny GPT-2 (vocabulary 512, 64 tokens,
 16 sequences per step) under each layout with the chapters' own engines — ZeRO 0–3 from
-``sharding/`` (chapter 06), tensor parallelism ± sequence parallelism from ``tensor_parallel/``
-(chapter 07), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters 04, 05),
-TP×PP with and without recomputation as plans of the one training entry (``training.train``, behind
-``measure_layout``),
+``sharding/`` (chapter 06), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters
+04, 05), tensor parallelism ± sequence parallelism (chapter 07's runs, ``training.tp_layout``) and
+TP×PP with and without recomputation as plans of the one training entry (``training.train``),
 one process with and without recomputation (chapter 08's measurement) — and puts measured step
 time and model-state bytes beside :func:`parallel_lib.planner.layout.price`'s prediction.
 Goals: step time within 25 %, model state within 5 %. ``--quick`` runs two layouts on 2 ranks.
@@ -37,8 +36,9 @@ from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.sharding.train import ShardConfig, run_sharded
 from parallel_lib.tensor_parallel.cost import GPTShape
-from parallel_lib.tensor_parallel.train import TPConfig, tp_worker
-from parallel_lib.training import Plan, RunConfig, train
+from parallel_lib.tensor_parallel.batches import TPConfig
+from parallel_lib.training import Plan, RunConfig, tp_layout, train
+from parallel_lib.training.traffic import dp_groups
 
 __all__ = ["Row", "jobs", "run_jobs", "run_layouts", "measure", "markdown", "main"]
 
@@ -94,9 +94,10 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
     def tp(t: int, sp: bool) -> tuple[Layout, str, Any, GPTShape]:
         config = TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
                           steps=steps, tp=t, sequence_parallel=sp, padding=False)
-        tensors = 12 * tp_shape.n_layer + 4  # its gradients are all-reduced tensor by tensor (train._step)
-        layout = Layout(dp=world_size // t, tp=t, sequence_parallel=sp, grad_collectives=tensors)
-        return layout, "tensor_parallel.tp_worker", config, tp_shape
+        dp = world_size // t  # the replicas average their gradients in ZeroEngine's flat buckets
+        buckets = len(dp_groups(tp_shape, t, tp_shape.n_layer, True, True, 1, 0, dp))
+        layout = Layout(dp=dp, tp=t, sequence_parallel=sp, grad_collectives=buckets)
+        return layout, "training.train", tp_layout(config, world_size, return_state=False), tp_shape
 
     three_d = RunConfig(model="tiny", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH, lr=1e-3, steps=steps,
                         return_state=False)
@@ -152,9 +153,6 @@ def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[flo
     if engine == "sharding.ZeroEngine":
         r = run_sharded(rank, world_size, config)
         return r.record.step_times, float(r.census.get("total", 0))
-    if engine == "tensor_parallel.tp_worker":
-        t = tp_worker(rank, world_size, config, return_state=False)
-        return t.record.step_times, 4.0 * t.parameter_bytes  # + gradients + AdamW's two moments
     if engine == "training.train":
         plan, run = config
         g = train(rank, world_size, plan, run)

@@ -6,7 +6,8 @@
 - :mod:`.sequence`: what sequence parallelism adds (the positions of my tokens, the partial gradients);
 - :mod:`.parallelize`: ``parallelize_tp``, the parts above swapped into the one GPT-2 (:mod:`parallel_lib.models`);
 - :mod:`.convert`: ``tensor_parallelize`` (a copy of a dense GPT-2, split) and ``gather_dense`` (back);
-- :mod:`.train`, :mod:`.verify`: training runs and exactness checks inside ranks;
+- :mod:`.batches`, :mod:`.verify`: the chapter's run settings and batches, exactness checks inside ranks
+  (training itself is a plan of :func:`parallel_lib.training.train`);
 - :mod:`.cost`: collectives, bytes and time per step; :mod:`.dtensor`: PyTorch's DTensor beside it.
 """
 
@@ -25,7 +26,7 @@ from parallel_lib.tensor_parallel.regions import (
     scatter_to_sequence_parallel_region,
 )
 from parallel_lib.tensor_parallel.split import naive_qkv_rows, qkv_rows
-from parallel_lib.tensor_parallel.train import TPConfig, TPResult, dense_run, tp_worker
+from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 from parallel_lib.tensor_parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
 
 __all__ = [
@@ -35,5 +36,5 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
     "vocab_parallel_cross_entropy", "qkv_rows", "naive_qkv_rows", "sync_sequence_parallel_grads",
     "parallelize_tp", "tp_group_of", "check_tp_split", "TPInfo", "tensor_parallelize", "gather_dense",
-    "TPConfig", "TPResult", "tp_worker", "dense_run", "GPTShape", "layer_collectives", "step_collectives",
+    "TPConfig", "make_batches", "GPTShape", "layer_collectives", "step_collectives",
 ]

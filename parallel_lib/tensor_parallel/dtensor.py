@@ -71,7 +71,7 @@ def dtensor_check(rank: int, world_size: int, config: Any) -> dict[str, float]:
     from parallel_lib.common.models import build_gpt2
     from parallel_lib.tensor_parallel import regions as R
     from parallel_lib.tensor_parallel.convert import tensor_parallelize
-    from parallel_lib.tensor_parallel.train import make_batches
+    from parallel_lib.tensor_parallel.batches import make_batches
 
     mesh = init_device_mesh("cpu", (world_size,))
     dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())

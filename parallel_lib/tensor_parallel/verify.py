@@ -21,7 +21,7 @@ from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 
 __all__ = ["mlp_check", "broken_mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "many", "diff"]
 

@@ -3,15 +3,17 @@ parallelism goes on which mesh axis (:class:`Plan`), the run (:class:`RunConfig`
 :func:`train` that applies TP, then the pipeline split, then ZeRO over dp, and the one
 single-process :func:`reference` every layout must equal; :func:`train_layout` / :func:`train_3d`
 launch a plan from a notebook, :func:`measure_layout` measures one for the planner, and
+:func:`tp_layout` says chapter 07's runs as plans, and
 :mod:`.traffic` holds the formulas of what each rank holds and sends (chapter 10).
 """
 
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.one_process import reference
 from parallel_lib.training.run import RunConfig, TrainResult, build_model, global_batches, train, train_many
+from parallel_lib.training.tp_runs import tp_layout, train_tp
 from parallel_lib.training.layouts import (LayoutMeasurement, job_step_times, max_difference, measure_layout,
                                            summarize_layout, train_3d, train_layout)
 
 __all__ = ["Plan", "RunConfig", "TrainResult", "train", "train_many", "reference", "build_model", "global_batches",
            "train_layout", "train_3d", "measure_layout", "summarize_layout", "LayoutMeasurement", "max_difference",
-           "job_step_times"]
+           "job_step_times", "tp_layout", "train_tp"]

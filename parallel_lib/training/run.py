@@ -18,7 +18,10 @@ A step on rank ``(d, j, t)``:
     then gives the global token mean);
 [5] run stage j's actions of the schedule with the one pipeline runtime
     (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), exchanging with slice t of the
-    neighbouring stages over ``pm.group("pp")``, one ``batch_isend_irecv`` per exchange;
+    neighbouring stages over ``pm.group("pp")``, one ``batch_isend_irecv`` per exchange; each
+    micro-batch's forward is numbered for the model's seeded dropout masks as one process numbers
+    its forwards (with one replica and one micro-batch, dropout drops what
+    :func:`~parallel_lib.training.reference` drops: chapter 07's proof);
 [6] reduce the gradients over dp (ZeRO's reduce-scatter or all-reduce), sum the
     sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends;
 [7] AdamW on this rank's shard; ZeRO-1/2 all-gather the updated parameters.
@@ -50,7 +53,7 @@ from parallel_lib.sharding.memory import engine_census
 from parallel_lib.sharding.zero import ZeroEngine
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
-from parallel_lib.tensor_parallel.train import TPConfig, make_batches
+from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.step import pipeline_step, stage_on_device
 from parallel_lib.training.tp_stage import dense_state
@@ -72,7 +75,9 @@ class RunConfig:
     lr: float = 1e-3                # AdamW
     eps: float = 1e-8               # AdamW's; a large one makes the update depend on the gradient's scale
     weight_decay: float = 0.01
-    seed: int = 0                   # weights and batches
+    seed: int = 0                   # weights, batches and dropout masks
+    dropout: float = 0.0            # resid, attn and embd dropout (seeded masks: parallel_lib.models.dropout)
+    padding: bool = True            # right-pad some rows (their padded tokens carry no loss weight)
     timeout: float = 60.0           # seconds any receive or collective may wait
     return_state: bool = True       # send the trained parameters back (dense names)
 
@@ -91,10 +96,13 @@ class RunConfig:
 
         Raises:
             ValueError: an unknown model, a size below 1, a sequence longer than the model's
-                positions, or a non-positive learning rate, eps or timeout.
+                positions, a non-positive learning rate, eps or timeout, or dropout outside [0, 1).
         """
         for name in ("vocab_size", "seq_len", "batch_size", "steps"):
             positive_int(name, getattr(self, name))
+        check_number("dropout", self.dropout, 0.0)
+        if self.dropout >= 1.0:
+            raise ValueError(f"dropout must be below 1 (1 drops everything), got dropout={self.dropout}")
         for name in ("lr", "eps", "timeout"):
             check_number(name, getattr(self, name), 0.0, strict=True)
         if self.seq_len > self.shape["n_positions"]:
@@ -114,23 +122,28 @@ def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -
 
 def build_model(run: RunConfig) -> GPT2LMHeadModel:
     """The dense model every rank and the reference start from (the run's seed)."""
-    return build_gpt2(run.model, run.vocab_size, run.seed, **run.overrides())
+    return build_gpt2(run.model, run.vocab_size, run.seed, resid_pdrop=run.dropout, attn_pdrop=run.dropout,
+                      embd_pdrop=run.dropout, **run.overrides())
 
 
 def global_batches(run: RunConfig) -> list[dict[str, torch.Tensor]]:
     """The run's global batches: right-padded synthetic rows, the same in every process."""
     return make_batches(TPConfig(model=run.model, vocab_size=run.vocab_size, batch_size=run.batch_size,
-                                 seq_len=run.seq_len, steps=run.steps, seed=run.seed))
+                                 seq_len=run.seq_len, steps=run.steps, seed=run.seed, padding=run.padding))
 
 
 @dataclass
 class TrainResult:
     """What one rank measured and trained.
 
-    ``traffic`` is the last step's collectives by mesh axis ("dp", "tp", "pp", "tied"):
+    ``traffic`` is the last step's collectives by mesh axis ("dp", "tp", "pp", "tied"; "local":
+    calls on a group of one rank):
     ``{collective: (calls, message bytes)}``; ``wire`` the bytes this rank sent per axis.
     ``state`` holds the parameters this rank's stage trained, by the dense model's names
     (tensor slice 0 of each stage only; empty unless ``run.return_state``).
+    ``activation_bytes``: the most bytes autograd held saved for backward at once in the first
+    step (one forward's with one micro-batch; chapter 07 compares it with and without sequence
+    parallelism); ``parameter_bytes``: the bytes of this rank's stage before any ZeRO sharding.
     """
 
     rank: int
@@ -141,7 +154,29 @@ class TrainResult:
     wire: dict[str, float]
     state_bytes: int                # parameters + gradients + optimizer states this rank holds (tensor census)
     num_parameters: int             # elements this rank owns after sharding
+    activation_bytes: int = 0
+    parameter_bytes: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def collectives(self) -> dict[str, tuple[int, int]]:
+        """The last step's collectives over every axis together: ``{collective: (calls, message bytes)}``.
+
+        Calls on a group of one rank (``traffic["local"]``), which send nothing, are left out.
+        """
+        total: dict[str, tuple[int, int]] = {}
+        for axis, calls in self.traffic.items():
+            if axis == "local":
+                continue
+            for kind, (n, nbytes) in calls.items():
+                before = total.get(kind, (0, 0))
+                total[kind] = (before[0] + n, before[1] + nbytes)
+        return total
+
+    @property
+    def wire_bytes(self) -> float:
+        """The bytes this rank sent in the last step, every axis together."""
+        return sum(self.wire.values())
 
 
 ModelBuilder = Callable[[RunConfig], GPT2LMHeadModel]  # the dense model from the run
@@ -184,6 +219,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed)  # [1]
     stage = stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
     engine = ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,  # [3]
                         layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
     runner = StageRunner(stage, device, first=stage.first)
@@ -192,13 +228,15 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
     record, clock = TrainRecord(), DeviceClock([device])
-    counter = CollectiveCounter()
-    for batch in global_batches(run):
+    counter, activations = CollectiveCounter(), 0
+    for k, batch in enumerate(global_batches(run)):
         tokens = float(batch["label_token_weights"].sum())
         mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [4]
         start = clock()
         with count_collectives() as counter:
-            loss = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp, plan.recompute)  # [5]
+            loss, saved = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp,  # [5]
+                                        plan.recompute, forwards_before=k * plan.micro_batches)
+            activations = activations if k else saved
             engine.reduce_gradients()  # [6]
             sync_sequence_parallel_grads(stage.model)
             for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends
@@ -212,7 +250,8 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     owned = sum(t.numel() for t in engine.master)
     engine.remove()  # ZeRO-3: the full parameters back in the model
     state = dense_state(stage, pp, gather_dense(stage.model)) if run.return_state else {}
-    return TrainResult(pm.rank, pm.coords, plan, record, traffic, wire, held, owned, state if t == 0 else {})
+    return TrainResult(pm.rank, pm.coords, plan, record, traffic, wire, held, owned, activations, parameter_bytes,
+                       state if t == 0 else {})
 
 
 def _by_axis(counter: CollectiveCounter, pm: RankMesh) -> tuple[dict[str, dict[str, tuple[int, int]]],
@@ -224,7 +263,9 @@ def _by_axis(counter: CollectiveCounter, pm: RankMesh) -> tuple[dict[str, dict[s
     traffic: dict[str, dict[str, tuple[int, int]]] = {a: {} for a in ("dp", "tp", "pp", "tied")}
     wire = dict.fromkeys(traffic, 0.0)
     for call in counter.calls:
-        axis = "pp" if call.kind in ("send", "recv") else axes.get(call.ranks, "other")
+        # a group of one rank (an axis of size 1: ZeRO's engine still reduces over it) sends nothing
+        axis = "pp" if call.kind in ("send", "recv") else "local" if call.group_size == 1 else \
+            axes.get(call.ranks, "other")
         calls, nbytes = traffic.setdefault(axis, {}).get(call.kind, (0, 0))
         traffic[axis][call.kind] = (calls + 1, nbytes + call.nbytes)
         wire[axis] = wire.get(axis, 0.0) + call.wire_bytes

@@ -15,12 +15,14 @@ tensor-parallel split ([2] of :mod:`.run`), and :func:`pipeline_step` once per s
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
 from parallel_lib.pipeline_parallel.link import StageLink
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
-from parallel_lib.pipeline_parallel.schedule import Schedule
+from parallel_lib.pipeline_parallel.schedule import Action, Schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner, move_stage
 from parallel_lib.pipeline_parallel.transports import ProcessLink
 from parallel_lib.training.tp_stage import TensorParallelStage, stage_loss
@@ -30,8 +32,14 @@ __all__ = ["pipeline_step", "stage_on_device"]
 
 def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, pipeline: list[int],
                   schedule: Schedule, j: int, batch: dict[str, torch.Tensor], denominator: float,
-                  recompute: bool) -> float:
+                  recompute: bool, forwards_before: int = 0) -> tuple[float, int]:
     """Stage j's actions of ``schedule`` for one replica batch; the gradients accumulate in the stage.
+
+    Dropout: the model's masks depend on its forward-call number
+    (:class:`~parallel_lib.models.dropout.DropoutStream`). Micro-batch ``i`` is forward call
+    ``forwards_before + i + 1`` on every stage, in its forward and in its recomputation alike, as
+    one process that ran one forward per micro-batch would number it (one micro-batch per step:
+    the step's number, as :func:`~parallel_lib.training.reference` counts).
 
     Args:
         stage, runner: this rank's stage and the runner that keeps its activations.
@@ -42,18 +50,27 @@ def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLi
             the schedule's micro-batches here.
         denominator: what each micro-batch's weighted loss sum is divided by.
         recompute: keep only each stage's input, run its forward again in backward.
+        forwards_before: the micro-batch forwards of the steps before this one.
 
     Returns:
-        The sum of the micro-batches' losses on the last stage, 0.0 elsewhere.
+        The sum of the micro-batches' losses on the last stage (0.0 elsewhere), and the most bytes
+        autograd held saved for backward at once on this rank during the step (one micro-batch's
+        forward when there is one micro-batch).
     """
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
     dtype = next(stage.parameters()).dtype  # the hidden states every stage sends: the model's dtype
     spec = lambda message: (stage.hidden_shape(*ids[message.micro_batch].shape), dtype)  # noqa: E731  (1/tp under SP)
     loss = (lambda i: stage_loss(stage, labels[i], weights[i], denominator)) if stage.last else None
-    stages = RankStages(schedule, j, {j: runner}, ids, loss=loss, recompute=lambda i: recompute)
+    stream = stage.model.dropout_stream
+
+    def numbered(action: Action, compute: Callable[[], Any]) -> Any:  # the micro-batch's dropout masks
+        stream.calls = forwards_before + action.micro_batch + 1
+        return compute()
+
+    stages = RankStages(schedule, j, {j: runner}, ids, loss=loss, recompute=lambda i: recompute, timed=numbered)
     run_actions(schedule, j, stages, ProcessLink(schedule, j, link, pipeline, spec))
-    return stages.loss_sum()
+    return stages.loss_sum(), stages.peak_bytes
 
 
 def stage_on_device(shard: nn.Module, j: int, pp: int, device: torch.device, keep_shard: bool) -> TensorParallelStage:

@@ -1,0 +1,80 @@
+"""Chapter 07's run settings and its batches: :class:`TPConfig`, :func:`make_batches`, :func:`saved_activation_bytes`.
+
+A tensor-parallel (× data-parallel) run is a plan of the one training entry
+(:func:`parallel_lib.training.train`, built from a :class:`TPConfig` by
+:func:`parallel_lib.training.tp_layout`); the chapter's exactness checks
+(:mod:`.verify`, :mod:`.dtensor`) build the same model and batches from the same config here.
+Every process draws the same batches from the seed: right-padded synthetic rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["TPConfig", "make_batches", "saved_activation_bytes"]
+
+
+@dataclass(frozen=True)
+class TPConfig:
+    """One tensor-parallel training run (every field is a flag of ``python -m parallel_lib.tensor_parallel``)."""
+
+    model: str = "tiny"            # a GPT2_SIZES name
+    vocab_size: int = 128          # divisible by tp
+    batch_size: int = 4            # sequences per data-parallel rank and step
+    seq_len: int = 32              # divisible by tp under sequence parallelism
+    steps: int = 3
+    lr: float = 1e-3
+    seed: int = 0
+    tp: int = 0                    # tensor-parallel size; 0: all ranks (dp = world_size / tp)
+    sequence_parallel: bool = False
+    dropout: float = 0.0           # resid, attn and embd dropout of the model
+    padding: bool = True           # right-pad some sequences (attention and loss masks)
+    n_layer: int = 0               # 0: the size's own depth
+    n_embd: int = 0                # 0: the size's own width (n_head stays; must divide)
+
+    def overrides(self) -> dict[str, Any]:
+        """``build_gpt2`` overrides for dropout and the optional depth and width."""
+        extra: dict[str, Any] = dict(resid_pdrop=self.dropout, attn_pdrop=self.dropout, embd_pdrop=self.dropout)
+        if self.n_layer:
+            extra["n_layer"] = self.n_layer
+        if self.n_embd:
+            extra["n_embd"] = self.n_embd
+        return extra
+
+
+def make_batches(config: TPConfig, dp: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``config.steps`` global batches of ``batch_size · dp`` sequences (the same in every process)."""
+    g = torch.Generator().manual_seed(config.seed + 1)
+    batches, rows = [], config.batch_size * dp
+    for _ in range(config.steps):
+        ids = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=g)
+        mask = torch.ones(rows, config.seq_len, dtype=torch.long)
+        if config.padding:  # every other sequence ends early: right padding
+            lengths = torch.randint(config.seq_len // 2, config.seq_len + 1, (rows,), generator=g)
+            mask = (torch.arange(config.seq_len)[None] < lengths[:, None]).long()
+            mask[0] = 1  # at least one full row
+        batches.append(dict(input_ids=ids[:, :-1], labels=ids[:, 1:], attention_mask=mask,
+                            label_token_weights=mask.float()))
+    return batches
+
+
+def saved_activation_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
+    """``fn(*args)`` and the bytes of the distinct tensors autograd saved for backward meanwhile.
+
+    Counted by storage (a tensor saved twice, or a parameter, counts once; parameters are
+    left out), as the course counts memory: not process RSS.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's bytes are its local shard's
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum(seen.values())
