@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from parallel_lib.common.checks import positive_int, positive_number
+from parallel_lib.common.checks import positive_int
+from parallel_lib.inference.serving_memory import check_memory_bytes
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.tensor_parallel.cost import GPTShape
@@ -79,8 +80,7 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
     positive_int("devices", devices)
     positive_int("global_batch", global_batch)
     positive_int("seq_len", seq_len)
-    if positive_number("memory_per_device", memory_per_device) < 2**20:
-        raise ValueError(f"memory_per_device is in bytes, got {memory_per_device!r}; for GiB multiply by 2**30")
+    check_memory_bytes("memory_per_device", memory_per_device)
     fits: list[Candidate] = []
     rejected: list[Candidate] = []
     for tp in divisors(devices):
