@@ -173,6 +173,7 @@ def test_the_pipeline_schedule_visits_every_groups_steps_round_by_round():
     assert sorted(schedule) == sorted((t, g) for g, n in enumerate(steps) for t in range(n))
     assert group_requests(5, 2, 8) == [range(0, 3), range(3, 5)]
     assert group_requests(5, 2, 2) == [range(0, 2), range(2, 4), range(4, 5)]  # the cache caps a group
+    assert group_requests(0, 2, 8) == []  # every request refused: no group (a step of 0 before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
