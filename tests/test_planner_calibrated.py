@@ -184,7 +184,8 @@ def test_a_damaged_calibration_cache_names_the_file_and_the_way_out(tmp_path, mo
     monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
     monkeypatch.setattr(calibrate_module, "calibrate", lambda **_: pytest.fail("a damaged cache must not measure"))
     cache_path().write_bytes(content)
-    with pytest.raises(ValueError, match=f"calibration cache {re.escape(str(cache_path()))} is damaged: .*{why}.*delete it, or "
+    path = re.escape(str(cache_path()))
+    with pytest.raises(ValueError, match=f"calibration cache {path} is damaged: .*{why}.*delete it, or "
                                          "measure again with `python -m parallel_lib.planner calibrate --refresh`"):
         load_calibration(cache_path())
     for command in (["show"], ["calibrate"]):

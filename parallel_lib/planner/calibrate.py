@@ -273,7 +273,7 @@ class Calibration:
 
 
 def _field(r: dict, key: str, kind: type, where: str, default: Any = None) -> Any:
-    """``r[key]`` of type ``kind`` (an int is a float too, a bool is neither), or ``default`` when absent and allowed."""
+    """``r[key]`` of type ``kind`` (an int is a float too, a bool is neither), or ``default`` when absent."""
     if key not in r and default is not None:
         return default
     value = r.get(key)
