@@ -62,3 +62,53 @@ def stages_in_a_row(rank: int, world_size: int, sequence_parallel: bool) -> dict
         loss = stage_loss(stages[1], labels, weights, float(weights.sum()))(x)
         return dict(logits=float((x - whole).abs().max()), shape=tuple(x.shape),
                     loss=abs(float(loss) - float(model.loss(whole, labels, weights))))
+
+
+def ids_outside_the_vocabulary(rank: int, world_size: int) -> dict:
+    """A TP shard against the dense model on ids outside the vocabulary and on the ignore label -100.
+
+    Returns the error each side gives for ids 64, 500, -3 (vocabulary 64) as input and as labels,
+    the per-token loss and its logits' gradient with some labels -100 (TP: gathered; dense:
+    ``F.cross_entropy``), both models' losses, and the logits of a good batch run after the errors
+    (a rank left inside a collective would hang or mismatch there).
+    """
+    import torch.nn.functional as F
+
+    from parallel_lib.tensor_parallel.vocab import vocab_parallel_cross_entropy
+
+    def error(fn) -> str:
+        try:
+            fn()
+        except (ValueError, IndexError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    dense = build_model("tiny", 64, 3).eval()
+    with Mesh(tp=world_size).build() as pm:
+        group = pm.group("tp")
+        model = parallelize_tp(build_model("tiny", 64, 3), group).eval()
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        out = {"input": {}, "labels": {}}
+        for bad in (64, 500, -3):
+            wrong = ids.clone()
+            wrong[1, 5] = bad
+            out["input"][bad] = (error(lambda: model(wrong)), error(lambda: dense(wrong)))
+            logits = model(ids)
+            out["labels"][bad] = (error(lambda: model.loss(logits, wrong)),
+                                  error(lambda: dense.loss(dense(ids), wrong)))
+        labels = ids.roll(-1, 1)
+        labels[:, -3:] = -100
+        local = model(ids).detach().requires_grad_()
+        ce = vocab_parallel_cross_entropy(local, labels, model.tp_info.vocab_start, group)
+        ce.sum().backward()
+        out["ce"] = ce.detach()
+        out["grad"] = R._all_gather(local.grad, -1, group)
+        whole = dense(ids).detach().requires_grad_()
+        dense_ce = F.cross_entropy(whole.flatten(0, 1), labels.flatten(), reduction="none").view(2, 8)
+        dense_ce.sum().backward()
+        out["dense_ce"], out["dense_grad"] = dense_ce.detach(), whole.grad
+        out["loss"] = float(model.loss(model(ids), labels))
+        out["dense_loss"] = float(dense.loss(dense(ids), labels))
+        out["after"] = R._all_gather(model(ids).detach(), -1, group)
+        out["dense_after"] = dense(ids).detach()
+        return out

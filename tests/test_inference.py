@@ -78,6 +78,16 @@ def test_seeded_sampling_gives_the_same_tokens_whatever_shares_the_batch(model):
     assert [r.tokens for r in together] != [r.tokens for r in greedy], "temperature 1 must sample, not take the argmax"
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-300, 1e-320, 5e-324])
+def test_a_tiny_temperature_gives_the_greedy_tokens(model, temperature):
+    # 1e-320 is a subnormal: logits / 1e-320 overflowed to inf and every token became the vocabulary's last
+    greedy = Engine.single(model, max_batch=5, max_len=32).generate([Request(p, max_new_tokens=6) for p in PROMPTS])
+    tiny = Engine.single(model, max_batch=5, max_len=32).generate(
+        [Request(p, max_new_tokens=6, temperature=temperature, seed=i) for i, p in enumerate(PROMPTS)])
+    assert [r.tokens for r in tiny] == [r.tokens for r in greedy]
+    assert all(r.ok for r in tiny)
+
+
 def test_eos_stops_its_request_only_and_the_timeline_has_one_event_per_token(model):
     greedy = _hf_tokens(model, PROMPTS[2], 6)
     eos = greedy[2]
@@ -147,6 +157,9 @@ def test_bad_input_is_named_before_anything_runs(strategy, world_size, requests,
     (dict(prompt=[1.5]), TypeError, r"prompt must hold int token ids"),
     (dict(prompt=[1], max_new_tokens=0), ValueError, r"max_new_tokens must be an int >= 1"),
     (dict(prompt=[1], temperature=-1.0), ValueError, r"temperature must be >= 0"),
+    (dict(prompt=[1], seed=2**64), ValueError, r"seed must be an int in 0\.\.18446744073709551615, got "
+                                                r"seed=18446744073709551616.*64 bits"),
+    (dict(prompt=[1], seed=-1), ValueError, r"seed must be an int in 0\.\."),
 ])
 def test_a_bad_request_is_refused_when_made(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -160,6 +173,7 @@ def test_the_pipeline_schedule_visits_every_groups_steps_round_by_round():
     assert sorted(schedule) == sorted((t, g) for g, n in enumerate(steps) for t in range(n))
     assert group_requests(5, 2, 8) == [range(0, 3), range(3, 5)]
     assert group_requests(5, 2, 2) == [range(0, 2), range(2, 4), range(4, 5)]  # the cache caps a group
+    assert group_requests(0, 2, 8) == []  # every request refused: no group (a step of 0 before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -68,6 +68,11 @@ def test_the_command_line_serves_and_checks_against_the_single_engine(capsys):
     (["--strategy", "tp", "--world-size", "3"], "n_head=4 is not divisible by the tensor-parallel size tp=3"),
     (["--prompts", "1 x"], "a prompt is token ids separated by spaces or commas"),
     (["--prompts", "1 " * 130], "longer than the model's context n_positions=128"),
+    (["--initializer-range", "nan"], "initializer_range must be finite, got initializer_range=nan"),
+    (["--initializer-range", "-0.1"], "initializer_range must be >= 0"),
+    (["--timeout", "0"], "timeout must be > 0, got timeout=0.0"),
+    (["--threads-per-rank", "0"], "threads_per_rank must be an int >= 1"),
+    (["--strategy", "dp", "--world-size", "0"], "world_size must be an int >= 1, got world_size=0"),
 ])
 def test_the_command_line_refuses_bad_input_before_any_rank_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as excinfo:
@@ -94,3 +99,13 @@ def test_generation_runs_as_a_forward_only_schedule_whose_exchanges_complete_und
     assert sorted((m.micro_batch, m.stage // p) for m in tokens) == \
         sorted((g, t) for g, n in enumerate(steps) for t in range(1, n))  # every step but a group's first
     assert len(sent) == sum(n * p - 1 for n in steps)  # every hand-over of every step, none after a group's last
+
+
+def test_every_request_refused_is_a_per_request_error_under_every_strategy():
+    refused = [Request([3, 500], 3), Request([97], 2)]  # ids outside the vocabulary of 97
+    runs = serve_many(refused, ["single", "mp", "dp", "pp", "tp"], 2, CONFIG, threads_per_rank=1, timeout=120)
+    errors = [r.error for r in runs["single"].results]
+    assert all(e and "outside the vocabulary 0..96" in e for e in errors)
+    for name, run in runs.items():
+        assert [r.error for r in run.results] == errors, name
+        assert run.tokens == [[], []], name

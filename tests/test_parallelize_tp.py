@@ -9,7 +9,7 @@ from parallel_lib.models import build_model, to_hf
 from parallel_lib.runtime import launch
 from parallel_lib.tensor_parallel import gather_dense, parallelize_tp
 from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
-from _tp_workers import one_model_tp, stages_in_a_row, train_steps
+from _tp_workers import ids_outside_the_vocabulary, one_model_tp, stages_in_a_row, train_steps
 
 
 def _one_process(config: TPConfig):
@@ -63,3 +63,18 @@ def test_one_rank_split_gathers_back_exactly(naive_qkv):
         assert torch.equal(a, b), k
     ids = torch.randint(0, 64, (2, 10))
     torch.testing.assert_close(split.eval()(ids), dense.eval()(ids), rtol=0, atol=1e-5)
+
+
+def test_ids_outside_the_vocabulary_raise_on_every_rank_and_minus_100_is_ignored_as_dense():
+    for r in launch(ids_outside_the_vocabulary, 2, backend="gloo", timeout=120):
+        for where in ("input", "labels"):
+            for bad, (tp_error, dense_error) in r[where].items():
+                assert dense_error, (where, bad)  # the dense model raises (IndexError)
+                name = "input_ids" if where == "input" else "target"
+                assert tp_error.startswith(f"ValueError: {name} holds id {bad}, outside the vocabulary of 64 "
+                                           f"tokens"), tp_error
+        torch.testing.assert_close(r["ce"], r["dense_ce"], rtol=0, atol=1e-5)
+        assert (r["ce"][:, -3:] == 0).all()
+        torch.testing.assert_close(r["grad"], r["dense_grad"], rtol=0, atol=1e-6)
+        assert r["loss"] == pytest.approx(r["dense_loss"], rel=1e-6)
+        torch.testing.assert_close(r["after"], r["dense_after"], rtol=0, atol=1e-5)

@@ -4,6 +4,9 @@ known constants, its search explains what it rejects, and the benchmark runs (``
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+import re
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from parallel_lib.model_parallel.memory import activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight
-from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed, cache_path, fit_alpha_beta, hops
+from parallel_lib.planner.calibrate import (KINDS, AlphaBeta, Calibration, RankSpeed, cache_path, fit_alpha_beta, hops,
+                                           load_calibration)
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Layout, StepCost, _simulated, price, rank_parameters
 from parallel_lib.planner.model_step import solve_step_cost
@@ -146,3 +150,86 @@ def test_bench_quick_prints_every_row_with_predicted_and_measured(capsys):
     assert main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "| DP2 |" in out and "| PP2 1f1b m=4 |" in out and "model states within 5 %" in out
+
+
+def _good_cache() -> dict:
+    return json.loads(CAL.to_json())
+
+
+def _with(path: list, value) -> bytes:
+    data = _good_cache()
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "not valid JSON"),
+    (CAL.to_json().encode()[:50], "not valid JSON"),
+    (b"\xff\xfe{}", "codec can't decode"),
+    (b'{"machine": "m"}', "non-empty 'ranks'"),
+    (_with(["ranks", "4", "links"], None), r"ranks\['4'\]\.links: expected dict"),
+    (_with(["ranks", "4", "flops_per_second"], "fast"), "flops_per_second: expected float"),
+    (_with(["ranks", "4", "links", "send", "alpha"], float("nan")), r"alpha must be a finite number >= 0, got nan"),
+    (_with(["ranks", "4", "links", "send", "alpha"], -1e-4), r"alpha must be a finite number >= 0, got -0.0001"),
+    (_with(["ranks", "4", "links", "send", "bandwidth"], 0), r"bandwidth must be a finite number > 0, got 0"),
+    (_with(["ranks", "1", "world_size"], 2), "world_size=2 is not its key 1"),
+])
+def test_a_damaged_calibration_cache_names_the_file_and_the_way_out(tmp_path, monkeypatch, capsys, content, why):
+    from parallel_lib.planner import calibrate as calibrate_module
+    from parallel_lib.planner.__main__ import main
+
+    monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **_: pytest.fail("a damaged cache must not measure"))
+    cache_path().write_bytes(content)
+    path = re.escape(str(cache_path()))
+    with pytest.raises(ValueError, match=f"calibration cache {path} is damaged: .*{why}.*delete it, or "
+                                         "measure again with `python -m parallel_lib.planner calibrate --refresh`"):
+        load_calibration(cache_path())
+    for command in (["show"], ["calibrate"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the calibration cache {cache_path()} is damaged") and "--refresh" in err
+
+
+def test_calibrate_checks_its_world_sizes_and_its_folder_before_measuring(tmp_path, monkeypatch, capsys):
+    from parallel_lib.planner import calibrate as calibrate_module
+    from parallel_lib.planner.__main__ import main
+
+    measured = []
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **kw: measured.append(kw) or CAL)
+    for bad in ("0", "1", "-2"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["calibrate", "--world-sizes", bad])
+        assert exit_info.value.code == 2
+        assert f"world size must be an int >= 2, got world size={bad}" in capsys.readouterr().err
+    # a folder that cannot be created (its parent is a file): refused before measuring, not after
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path / "file" / "cache"))
+    assert main(["calibrate"]) == 1
+    assert f"cannot write the calibration cache in {tmp_path / 'file' / 'cache'}" in capsys.readouterr().err
+    assert measured == []
+    # a cache without the world size asked for is measured again, not printed as it was
+    monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
+    cache_path().write_text(CAL.to_json())  # world sizes 1 and 4
+    assert main(["calibrate", "--world-sizes", "4"]) == 0 and measured == []
+    assert main(["calibrate", "--world-sizes", "3"]) == 0 and measured == [dict(world_sizes=(3,))]
+    with pytest.raises(ValueError, match="world size must be an int >= 2"):
+        calibrate_module.check_world_sizes([2, 1])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: StepCost(-262.0, 1e10), "fixed must be >= 0, got fixed=-262.0"),
+    (lambda: StepCost(0.0, 0.0), "flops_per_second must be > 0"),
+    (lambda: StepCost(0.0, 1e10, float("nan")), "optimizer must be finite"),
+    (lambda: plan_layouts(SHAPE, 4, 2**30, 16, 64, CAL, COST, gpus_per_node=0), "gpus_per_node must be an int >= 1"),
+    (lambda: plan_layouts(SHAPE, 4, 2**30, 16, 64, CAL, COST, max_pp=0), "max_pp must be an int >= 1"),
+    (lambda: plan_layouts(dataclasses.replace(SHAPE, n_layer=0), 4, 2**30, 16, 64, CAL, COST),
+     "shape.n_layer must be an int >= 1"),
+    (lambda: plan_layouts(SHAPE, 4, 2**30, 16, 65, CAL, COST), "seq_len=65 is longer than the model's n_positions=64"),
+])
+def test_planner_inputs_that_returned_garbage_are_named_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -81,6 +81,12 @@ def test_kv_bytes_spread_dp_requests_over_replicas():
     (lambda: kv_cache_bytes("llama-2-7b", -1), "tokens must be an int >= 0"),
     (lambda: kv_cache_bytes("gpt-5", 1), "model must be one of"),
     (lambda: max_concurrent_requests("llama-2-7b", 0, 4096), "capacity must be > 0"),
+    (lambda: max_concurrent_requests("llama-2-7b", 80, 4096), r"capacity is in bytes, got 80; for GiB multiply"),
+    (lambda: max_concurrent_requests("llama-2-7b", 80 * GiB, 4096, "pp", 33),
+     "n_devices=33 is more than the model's 32 layers"),
+    (lambda: serving_memory("llama-2-7b", "mp", 40), "n_devices=40 is more than the model's 32 layers"),
+    (lambda: max_concurrent_requests(gpt2_config("tiny", 64), 80 * GiB, 4096),
+     "tokens_per_request=4096 is longer than the model's context of 128 positions"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

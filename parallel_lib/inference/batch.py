@@ -41,9 +41,11 @@ class Request:
         prompt: the prompt's token ids (at least one).
         max_new_tokens: tokens to generate at most.
         eos: stop after generating this token (it is kept in the output); None: only the limit stops.
-        temperature: 0 for greedy decoding, else sample from ``softmax(logits / temperature)``.
-        seed: the seed of this request's own random stream: the same seed gives the same tokens
-            whichever other requests share its batch, rank or stage.
+        temperature: 0 for greedy decoding, else sample from ``softmax(logits / temperature)``
+            (however small: :func:`sample` cannot overflow, and a tiny one gives the greedy tokens).
+        seed: the seed of this request's own random stream, in ``[0, 2**64)`` (a
+            ``torch.Generator``'s): the same seed gives the same tokens whichever other requests
+            share its batch, rank or stage.
     """
 
     prompt: tuple[int, ...]
@@ -66,7 +68,7 @@ class Request:
         if self.eos is not None:
             check_int("eos", self.eos, minimum=0)
         check_number("temperature", self.temperature, 0.0, hint="use 0 for greedy decoding")
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, minimum=0, maximum=2**64 - 1, hint="a torch.Generator's seed is 64 bits")
 
     @property
     def slots(self) -> int:
@@ -233,7 +235,10 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator)
     """Greedy (``temperature == 0``) or one draw from ``softmax(logits / temperature)`` by its inverse CDF.
 
     One uniform number per token from the request's own generator: the draw depends on nothing
-    but this request's seed and logits, never on its neighbours in the batch.
+    but this request's seed and logits, never on its neighbours in the batch. The logits are
+    shifted by their maximum before the division, so ``(logits - max) / temperature <= 0`` cannot
+    overflow however small the temperature (``1e-320``): the maximum keeps weight 1 and every
+    lower logit tends to 0, the greedy token.
 
     Raises:
         ValueError: the logits are not all finite.
@@ -243,6 +248,6 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator)
         raise ValueError("the logits are not finite (NaN or inf)")
     if temperature == 0.0:
         return int(logits.argmax())
-    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(0)
+    cdf = torch.softmax((logits - logits.max()) / temperature, dim=-1).cumsum(0)
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
     return int(torch.searchsorted(cdf, u.view(1), right=True).clamp_max(len(cdf) - 1))

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.common.cli import add_config_flags
 from parallel_lib.inference.batch import Request
 from parallel_lib.inference.strategies import IN_PROCESS, STRATEGIES, ServeConfig, check_serve, serve
@@ -59,13 +60,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     strategy, check = args.pop("strategy"), args.pop("check")
     if is_torchrun() and strategy in IN_PROCESS:
         parser.error(f"--strategy {strategy} runs in one process; start it with python -m, not torchrun")
-    world_size = args.pop("world_size") or (RankInfo.from_env().world_size if is_torchrun()
-                                            else 1 if strategy == "single" else 2)
+    world_size = args.pop("world_size")  # None: the default; 0 is refused below, not replaced
+    if world_size is None:
+        world_size = RankInfo.from_env().world_size if is_torchrun() else 1 if strategy == "single" else 2
     launch = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
     prompts, common = args.pop("prompts"), dict(max_new_tokens=args.pop("max_new_tokens"),
                                                temperature=args.pop("temperature"), eos=args.pop("eos"))
     config = replace(ServeConfig(), **args)
     try:  # here, before any rank starts
+        positive_number("timeout", launch["timeout"], hint="seconds for the run and each wait")
+        if launch["threads_per_rank"] is not None:
+            positive_int("threads_per_rank", launch["threads_per_rank"])
         requests = [Request(p, seed=i, **common) for i, p in enumerate(prompts)]
         check_serve(strategy, world_size, requests, config)
     except (ValueError, TypeError) as error:

@@ -46,7 +46,12 @@ __all__ = ["generation_schedule", "generation_pipeline", "group_requests", "run_
 
 
 def group_requests(n: int, groups: int, max_batch: int) -> list[range]:
-    """Positions ``0..n-1`` in contiguous groups: ``groups`` of them, or more where one would pass ``max_batch``."""
+    """Positions ``0..n-1`` in contiguous groups: ``groups`` of them, or more where one would pass ``max_batch``.
+
+    No positions (every request refused) make no groups.
+    """
+    if n == 0:
+        return []
     size = min(max_batch, -(-n // max(1, groups)))  # ceil(n / groups), capped by the cache
     return [range(start, min(start + size, n)) for start in range(0, n, size)]
 
@@ -135,6 +140,8 @@ def run_pipeline_stage(stage: Stage, requests: Sequence[Request], rank: int, wor
     last = rank == world_size - 1
     indices = list(range(len(requests)))
     admitted, refused = admit(requests, indices, vocab_size)
+    if not admitted:  # every rank refused every request alike: nothing to run, nothing to exchange
+        return (refused if last else []), [], 0, []
     plan = [Group([requests[admitted[p]] for p in part], [admitted[p] for p in part], stage.device)
             for part in group_requests(len(admitted), groups, max_batch)]
     schedule = generation_pipeline([g.steps for g in plan], world_size)

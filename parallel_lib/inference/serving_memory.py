@@ -27,16 +27,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int
+from parallel_lib.common.checks import check_choice, check_int, positive_int, positive_number
 from parallel_lib.model_parallel.device_map import get_device_map
 from parallel_lib.model_parallel.layer_memory import (DECODER_SHAPES, DecoderShape, device_bytes,
                                                        kv_cache_bytes_per_token, layer_parameters)
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, GiB
 
 __all__ = ["STRATEGIES", "decoder_shape", "as_shape", "kv_heads_per_rank", "kv_cache_bytes", "weights_per_device",
-           "ServingMemory", "serving_memory", "max_concurrent_requests", "GiB"]
+           "ServingMemory", "serving_memory", "max_concurrent_requests", "GiB", "check_memory_bytes"]
 
 STRATEGIES = ("single", "dp", "mp", "pp", "tp")
+
+
+def check_memory_bytes(name: str, value: Any) -> float:
+    """``value`` as a device's memory in bytes: a finite number > 0, and at least a MiB.
+
+    A device of less than 1 MiB is a size given in GiB (``80`` for an 80 GB card): it would fit
+    nothing, silently. The planner (:func:`parallel_lib.planner.search.plan_layouts`) and the
+    serving calculator both refuse it here.
+
+    Raises:
+        ValueError: not a number, not finite, not > 0, or below 2**20 (GiB rather than bytes).
+    """
+    number = positive_number(name, value)
+    if number < 2**20:
+        raise ValueError(f"{name} is in bytes, got {value!r}; for GiB multiply by 2**30 (e.g. 80 * GiB)")
+    return number
 
 
 def decoder_shape(config: Any) -> DecoderShape:
@@ -106,6 +122,10 @@ def _tp_parameters(s: DecoderShape, tp: int, vocab_parallel: bool = True) -> int
 
 def _device_layers(s: DecoderShape, strategy: str, n: int) -> list[list[int]]:
     if strategy in ("mp", "pp"):
+        if n > s.n_layers:
+            raise ValueError(f"strategy {strategy!r} places whole layers: n_devices={n} is more than the model's "
+                             f"{s.n_layers} layers, and a device without layers serves nothing; use at most "
+                             f"{s.n_layers} devices, or tp")
         return list(get_device_map(s.n_layers, list(range(n))).values())
     return [list(range(s.n_layers))] * n
 
@@ -121,8 +141,8 @@ def weights_per_device(model: Any, strategy: str, n_devices: int = 1, dtype: str
     position embeddings whole on every rank.
 
     Raises:
-        ValueError: an unknown strategy or dtype, ``single`` on more than one device, or a tp that does
-            not divide the heads.
+        ValueError: an unknown strategy or dtype, ``single`` on more than one device, mp or pp on more
+            devices than layers, or a tp that does not divide the heads.
     """
     s, n = as_shape(model), positive_int("n_devices", n_devices)
     check_choice("strategy", strategy, STRATEGIES)
@@ -168,9 +188,17 @@ class ServingMemory:
 
     def max_requests(self, capacity: float, tokens_per_request: int) -> int:
         """Requests of ``tokens_per_request`` tokens the whole group holds at once on devices of ``capacity`` bytes
-        (0 when the weights alone do not fit)."""
-        check_number("capacity", capacity, 0.0, strict=True)
+        (0 when the weights alone do not fit).
+
+        Raises:
+            ValueError: ``capacity`` not in bytes (see :func:`check_memory_bytes`), or ``tokens_per_request``
+                not a positive int or longer than the model's context (its learned positions).
+        """
+        capacity = check_memory_bytes("capacity", capacity)
         tokens = positive_int("tokens_per_request", tokens_per_request)
+        if self.model.max_positions and tokens > self.model.max_positions:
+            raise ValueError(f"tokens_per_request={tokens} is longer than the model's context of "
+                             f"{self.model.max_positions} positions; no request can be that long")
         fits = [max(int((capacity - w) // (k * tokens)), 0) if k else 0
                 for w, k in zip(self.weights, self.kv_per_token)]
         return sum(fits) if self.strategy == "dp" else min(fits)
@@ -193,5 +221,8 @@ def max_concurrent_requests(model: Any, capacity: float, tokens_per_request: int
 
     E.g. LLaMA-2-7B in fp16 on one 80 GB card at 4,096 tokens per request:
     ``max_concurrent_requests("llama-2-7b", 80 * GiB, 4096)``.
+
+    Raises:
+        ValueError: see :meth:`ServingMemory.max_requests` and :func:`weights_per_device`.
     """
     return serving_memory(model, strategy, n_devices, dtype).max_requests(capacity, tokens_per_request)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel_lib.common.checks import check_choice, check_int, positive_int
+from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int
 from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.common.timeline import Event
 from parallel_lib.data.partition import partition_lengths
@@ -124,7 +124,8 @@ def check_serve(strategy: str, world_size: int, requests: Any, config: ServeConf
     Raises:
         ValueError: an unknown strategy; a world size that is not 1 for ``single``, exceeds the layers
             for ``mp``/``pp`` or does not divide the heads for ``tp``; bad requests (see
-            :func:`~parallel_lib.inference.batch.check_requests`); a bad ``max_batch`` or ``groups``.
+            :func:`~parallel_lib.inference.batch.check_requests`); a bad ``max_batch``, ``groups`` or
+            ``initializer_range`` (NaN, infinite or negative: every weight would be NaN or meaningless).
         TypeError: ``config`` is not a :class:`ServeConfig`, or bad requests.
     """
     check_choice("strategy", strategy, STRATEGIES)
@@ -133,6 +134,7 @@ def check_serve(strategy: str, world_size: int, requests: Any, config: ServeConf
         raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
     positive_int("max_batch", config.max_batch)
     check_int("groups", config.groups, minimum=0, hint="0 puts one group per pipeline stage in flight")
+    check_number("initializer_range", config.initializer_range, 0.0, hint="GPT-2's is 0.02")
     model = config.config()
     if strategy == "single" and world_size != 1:
         raise ValueError(f"strategy='single' runs on one device, got world_size={world_size}; use dp, mp, pp or tp")

@@ -3,6 +3,9 @@
 - ``calibrate [--refresh] [--world-sizes 2 4]``: measure (a few seconds per world size, more on a busy
   machine) and cache under ``~/.cache/parallel_lib`` (``$PARALLEL_LIB_CACHE``); print the numbers.
 - ``show``: print the cached calibration (measuring it first if there is none).
+
+Bad world sizes are a usage error before anything runs; a damaged cache or an unwritable cache folder
+ends with one line naming the file or folder and what to do (exit status 1), before any measurement.
 - ``published``: the published training runs beside the planner's layouts (takes a minute or two).
 """
 
@@ -13,7 +16,7 @@ import sys
 from typing import Optional
 
 from parallel_lib.common import tables
-from parallel_lib.planner.calibrate import Calibration, cache_path, load_or_calibrate
+from parallel_lib.planner.calibrate import Calibration, cache_path, check_world_sizes, load_or_calibrate
 
 
 def describe(calibration: Calibration) -> str:
@@ -46,8 +49,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      "its GiB/GPU", "why they differ", "source"], table(compare_all())))
         return 0
     refresh = args.command == "calibrate" and args.refresh
-    kwargs = dict(world_sizes=tuple(args.world_sizes)) if args.command == "calibrate" else {}
-    calibration = load_or_calibrate(refresh=refresh, **kwargs)
+    kwargs = {}
+    if args.command == "calibrate":
+        try:
+            kwargs = dict(world_sizes=check_world_sizes(args.world_sizes))
+        except ValueError as error:
+            parser.error(f"--world-sizes: {error}")
+    try:
+        calibration = load_or_calibrate(refresh=refresh, **kwargs)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(describe(calibration))
     print(f"\ncached in {cache_path()}")
     return 0

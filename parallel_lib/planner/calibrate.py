@@ -19,23 +19,30 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
 ``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine under
 ``~/.cache/parallel_lib/`` (keyed by host name, torch version and threads per rank), never in the
 repository. On GPUs, :mod:`parallel_lib.planner.hardware` gives published figures instead.
+
+The cache is a file anyone may truncate, edit or replace: :func:`load_calibration` checks every
+number in it (finite, rates and bandwidths > 0, latencies and fixed costs >= 0) and names the file
+and the way out (delete it, or ``calibrate --refresh``) instead of a raw ``JSONDecodeError``,
+``KeyError`` or a ``ZeroDivisionError`` later in the planner. A measurement starts only once its
+world sizes are valid and the cache's folder is writable, so a result is never measured and lost.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.checks import check_choice, check_int, positive_int
 from parallel_lib.common.machine_speed import measure_machine_speed
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
@@ -43,7 +50,7 @@ from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
 
 __all__ = ["KINDS", "AlphaBeta", "RankSpeed", "Calibration", "hops", "fit_alpha_beta", "collective_worker",
-           "calibrate", "load_or_calibrate", "cache_path", "machine_key"]
+           "calibrate", "load_or_calibrate", "load_calibration", "check_world_sizes", "cache_path", "machine_key"]
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
 SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)  # 4 KiB .. 2 MiB: latency- to bandwidth-bound
@@ -244,13 +251,74 @@ class Calibration:
 
     @classmethod
     def from_json(cls, text: str) -> "Calibration":
-        data = json.loads(text)
-        ranks = {int(n): RankSpeed(r["world_size"], r["flops_per_second"], r["bytes_per_second"],
-                                   {k: AlphaBeta(**v) for k, v in r["links"].items()},
-                                   {k: tuple(v) for k, v in r.get("step_costs", {}).items()},
-                                   dict(r.get("step_times", {})))
-                 for n, r in data["ranks"].items()}
+        """The calibration :meth:`to_json` wrote, every number checked.
+
+        Raises:
+            ValueError: not JSON, a missing or unexpected key, or a number that is not finite or out of
+                its range (a rate or bandwidth <= 0, a latency or a fixed cost < 0), naming where it is.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON ({error})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("machine"), str) \
+                or not isinstance(data.get("ranks"), dict) or not data["ranks"]:
+            raise ValueError("expected an object with a 'machine' name and a non-empty 'ranks' object")
+        ranks = {}
+        for n, r in data["ranks"].items():
+            where = f"ranks[{n!r}]"
+            if not (isinstance(n, str) and n.isdigit() and int(n) >= 1 and isinstance(r, dict)):
+                raise ValueError(f"{where}: expected a world size >= 1 and an object")
+            links = _field(r, "links", dict, where)
+            for kind, v in links.items():
+                check_choice(f"{where}.links kind", kind, KINDS)
+                if not isinstance(v, dict) or set(v) != {"alpha", "bandwidth"}:
+                    raise ValueError(f"{where}.links[{kind!r}]: expected {{'alpha': ..., 'bandwidth': ...}}, got {v!r}")
+            step_costs = _field(r, "step_costs", dict, where, {})
+            for key, v in step_costs.items():
+                if not isinstance(v, list) or len(v) != 3:
+                    raise ValueError(f"{where}.step_costs[{key!r}]: expected [fixed, FLOP/s, optimizer], got {v!r}")
+            speed = RankSpeed(_field(r, "world_size", int, where), _field(r, "flops_per_second", float, where),
+                              _field(r, "bytes_per_second", float, where),
+                              {k: AlphaBeta(v["alpha"], v["bandwidth"]) for k, v in links.items()},
+                              {k: tuple(v) for k, v in step_costs.items()},
+                              dict(_field(r, "step_times", dict, where, {})))
+            if speed.world_size != int(n):
+                raise ValueError(f"{where}: world_size={speed.world_size} is not its key {n}")
+            _check_speed(speed, where)
+            ranks[int(n)] = speed
         return cls(data["machine"], ranks)
+
+
+def _field(r: dict, key: str, kind: type, where: str, default: Any = None) -> Any:
+    """``r[key]`` of type ``kind`` (an int is a float too, a bool is neither), or ``default`` when absent."""
+    if key not in r and default is not None:
+        return default
+    value = r.get(key)
+    ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{where}.{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _check_speed(speed: RankSpeed, where: str) -> None:
+    """Every number of one world size: finite; rates, bandwidths and times > 0; latencies and fixed costs >= 0."""
+    def number(name: str, value: Any, positive: bool) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (value <= 0 if positive else value < 0):
+            raise ValueError(f"{where}.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+    number("flops_per_second", speed.flops_per_second, True)
+    number("bytes_per_second", speed.bytes_per_second, True)
+    for kind, ab in speed.links.items():
+        number(f"links[{kind!r}].alpha", ab.alpha, False)
+        number(f"links[{kind!r}].bandwidth", ab.bandwidth, True)
+    for key, (fixed, rate, optimizer) in speed.step_costs.items():
+        number(f"step_costs[{key!r}] fixed", fixed, False)
+        number(f"step_costs[{key!r}] FLOP/s", rate, True)
+        number(f"step_costs[{key!r}] optimizer", optimizer, False)
+    for key, seconds in speed.step_times.items():
+        number(f"step_times[{key!r}]", seconds, True)
 
 
 def machine_key(threads: int = 1) -> str:
@@ -267,10 +335,30 @@ def cache_path(key: Optional[str] = None) -> Path:
 MODELS = (("tiny", 512, 64),)  # (GPT-2 size, vocabulary, sequence length) whose step the calibration times
 
 
+def check_world_sizes(world_sizes: Any) -> tuple[int, ...]:
+    """The world sizes a calibration measures besides one process alone (always measured): ints >= 2.
+
+    An empty list measures one process alone only (the benchmark's quick run).
+
+    Raises:
+        ValueError: not a list, or a size that is not an int >= 2.
+    """
+    if isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence):
+        raise ValueError(f"world_sizes must be a list of ints >= 2, got {world_sizes!r}")
+    return tuple(check_int("world size", n, minimum=2, hint="1 (one process alone) is always measured; "
+                           "collectives need 2 ranks or more") for n in world_sizes)
+
+
 def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Sequence[tuple[str, int, int]] = MODELS,
               timeout: float = 120.0) -> Calibration:
-    """Measure one process alone and every world size in ``world_sizes`` (one ``launch`` each)."""
+    """Measure one process alone and every world size in ``world_sizes`` (one ``launch`` each).
+
+    Raises:
+        ValueError: a world size that is not an int >= 2 (before anything is measured).
+    """
     from parallel_lib.planner.model_step import fit_step_cost, step_key, time_step
+
+    world_sizes = check_world_sizes(world_sizes)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -286,17 +374,52 @@ def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Seq
     ranks = {1: RankSpeed(1, alone.flops_per_second, alone.bytes_per_second, {}, steps, step_times)}
     single = Calibration(machine_key(), dict(ranks))
     for n in world_sizes:
-        ranks[positive_int("world size", n)] = launch(collective_worker, n, SIZES, repeats, single,
+        ranks[n] = launch(collective_worker, n, SIZES, repeats, single,
                                                       threads_per_rank=1, timeout=timeout)[0]
     return Calibration(machine_key(), ranks)
 
 
+def load_calibration(path: Path) -> Calibration:
+    """The calibration cached in ``path``, checked (:meth:`Calibration.from_json`).
+
+    Raises:
+        ValueError: the file is not UTF-8, not JSON, or holds a missing key or a bad number; the message
+            names the file and says to delete it or measure again with ``calibrate --refresh``.
+    """
+    try:
+        return Calibration.from_json(Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"the calibration cache {path} is damaged: {error}; delete it, or measure again with "
+                         "`python -m parallel_lib.planner calibrate --refresh`") from None
+
+
+def _check_writable(folder: Path) -> None:
+    """Create ``folder`` and write a probe file there: before a measurement, so its result is never lost."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise OSError(f"cannot write the calibration cache in {folder} ({error.strerror or error}); nothing was "
+                      "measured. Set PARALLEL_LIB_CACHE to a writable folder") from None
+
+
 def load_or_calibrate(path: Optional[Path] = None, refresh: bool = False, **kwargs: object) -> Calibration:
-    """The cached calibration of this machine, measured and saved first if there is none (or ``refresh``)."""
+    """The cached calibration of this machine, measured and saved first if there is none (or ``refresh``,
+    or ``world_sizes`` it lacks).
+
+    Raises:
+        ValueError: bad ``world_sizes``, or a damaged cache (:func:`load_calibration`), before measuring.
+        OSError: the cache's folder is not writable, before measuring.
+    """
     path = path or cache_path()
+    wanted = check_world_sizes(kwargs["world_sizes"]) if "world_sizes" in kwargs else ()
     if path.exists() and not refresh:
-        return Calibration.from_json(path.read_text())
+        cached = load_calibration(path)
+        if all(n in cached.ranks for n in wanted):
+            return cached
+    _check_writable(path.parent)
     calibration = calibrate(**kwargs)  # type: ignore[arg-type]
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibration.to_json())
     return calibration

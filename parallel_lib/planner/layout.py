@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Union
 
-from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
@@ -101,11 +101,20 @@ class StepCost:
     ``optimizer`` is the seconds of one AdamW step over the whole model on one rank alone; a rank
     holding a share of the optimizer states takes that share of it. Measured by
     :func:`parallel_lib.planner.model_step.fit_step_cost`; for published GPUs, fixed 0 and the peak rate.
+
+    Raises:
+        ValueError: a cost that is not a finite number, a negative ``fixed`` or ``optimizer`` (a negative
+            time would rank its layout best), or a rate that is not > 0.
     """
 
     fixed: float
     flops_per_second: float
     optimizer: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_number("fixed", self.fixed, 0.0, hint="seconds per block and micro-batch; 0 for published peaks")
+        check_number("flops_per_second", self.flops_per_second, 0.0, strict=True)
+        check_number("optimizer", self.optimizer, 0.0, hint="seconds of one optimizer step")
 
 
 def stage_blocks(n_layer: int, pp: int) -> list[int]:

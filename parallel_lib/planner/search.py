@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from parallel_lib.common.checks import positive_int, positive_number
+from parallel_lib.common.checks import positive_int
+from parallel_lib.inference.serving_memory import check_memory_bytes
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.tensor_parallel.cost import GPTShape
@@ -74,13 +75,22 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
     replica's batch is split into the fewest micro-batches (gradient accumulation) whose activations fit.
 
     Raises:
-        ValueError: a non-positive size, or ``memory_per_device`` that looks like GiB rather than bytes.
+        ValueError: a non-positive size (devices, batch, sequence, ``gpus_per_node``, ``max_pp``,
+            ``micro_batch_cap``, the shape's layers, heads, width or vocabulary), a sequence longer than
+            the shape's ``n_positions``, or ``memory_per_device`` that looks like GiB rather than bytes.
     """
     positive_int("devices", devices)
     positive_int("global_batch", global_batch)
     positive_int("seq_len", seq_len)
-    if positive_number("memory_per_device", memory_per_device) < 2**20:
-        raise ValueError(f"memory_per_device is in bytes, got {memory_per_device!r}; for GiB multiply by 2**30")
+    positive_int("gpus_per_node", gpus_per_node)
+    positive_int("max_pp", max_pp, hint="1 means no pipeline")
+    positive_int("micro_batch_cap", micro_batch_cap)
+    for name in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+        positive_int(f"shape.{name}", getattr(shape, name), hint="a model needs at least one of each")
+    if seq_len > shape.n_positions:
+        raise ValueError(f"seq_len={seq_len} is longer than the model's n_positions={shape.n_positions}; "
+                         "shorten the sequence or give the shape more positions")
+    check_memory_bytes("memory_per_device", memory_per_device)
     fits: list[Candidate] = []
     rejected: list[Candidate] = []
     for tp in divisors(devices):

@@ -11,6 +11,12 @@ by rows of the vocabulary, rank ``r`` holds token ids ``[r·V/t, (r+1)·V/t)``:
   the whole vocabulary: the maximum (for a stable ``exp``), the sum of ``exp`` and the
   target's logit, each an all-reduce of ``b·s`` values instead of a gather of ``b·s·V``
   (Megatron-LM's ``vocab_parallel_cross_entropy``).
+
+A rank that does not hold an id cannot tell a valid id of another rank from one outside the
+vocabulary, so each rank checks every id against the whole vocabulary before any collective:
+the ids are the same on every rank of the group, so every rank raises the same error and none is
+left waiting in an all-reduce. Labels equal to ``ignore_index`` (-100, Hugging Face's padding
+label) count zero loss and get zero gradient, as in ``F.cross_entropy``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from torch import nn
 from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.split import check_divisible, shard
 
-__all__ = ["vocab_range", "VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel_cross_entropy"]
+__all__ = ["vocab_range", "VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel_cross_entropy",
+           "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, the label Hugging Face gives padding
 
 
 def vocab_range(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
@@ -37,6 +46,19 @@ def vocab_range(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
     local = check_divisible("vocab_size", vocab_size, tp,
                             hint="pad the vocabulary to a multiple of tp (Megatron pads to 128·tp)")
     return rank * local, (rank + 1) * local
+
+
+def _check_in_vocabulary(ids: torch.Tensor, vocab_size: int, name: str, ignore_index: Optional[int] = None) -> None:
+    """Raise on the first id outside ``[0, vocab_size)`` (``ignore_index`` excepted), the same on every rank."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if bool(bad.any()):
+        value = int(ids[bad][0])
+        allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
+        raise ValueError(f"{name} holds id {value}, outside the vocabulary of {vocab_size} tokens "
+                         f"(ids 0..{vocab_size - 1}{allowed}); check the tokenizer's vocabulary against "
+                         f"the model's vocab_size")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -65,6 +87,12 @@ class VocabParallelEmbedding(nn.Module):
         return cls(shard(embedding.weight, 0, rank, tp, "vocab_size"), start, group, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dense lookup of ``ids``, summed (or reduce-scattered) over the group.
+
+        Raises:
+            ValueError: an id outside the whole vocabulary (on every rank: the ids are the same on all).
+        """
+        _check_in_vocabulary(ids, (self.vocab_end - self.vocab_start) * R.group_size(self.group), "input_ids")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)  # another rank holds these ids
@@ -83,34 +111,35 @@ def _all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                group: Any) -> torch.Tensor:
+                group: Any, ignore_index: int) -> torch.Tensor:
         logits = logits.float()
+        counted = target != ignore_index  # ignored labels: no loss, no gradient
         # [1] the largest logit over the whole vocabulary, for a stable exp (no gradient flows through it)
         top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
         shifted = logits - top.unsqueeze(-1)
         # [2] the target's logit: only the rank that holds the target contributes
         vocab_local = logits.shape[-1]
-        mine = (target >= vocab_start) & (target < vocab_start + vocab_local)
+        mine = (target >= vocab_start) & (target < vocab_start + vocab_local) & counted
         index = (target - vocab_start).clamp(0, vocab_local - 1)
         picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * mine
         picked = _all_reduce(picked, dist.ReduceOp.SUM, group)
         # [3] the softmax denominator
         exp = shifted.exp()
         total = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(exp / total.unsqueeze(-1), mine, index)
-        return total.log() - picked
+        ctx.save_for_backward(exp / total.unsqueeze(-1) * counted.unsqueeze(-1), mine, index)
+        return (total.log() - picked) * counted
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None, None]:
         # d loss / d logit_j = softmax_j - [j is the target]: every term is local to this rank
         softmax, mine, index = ctx.saved_tensors
         g = softmax.clone()
         g.scatter_add_(-1, index.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None, None
+        return g * grad.unsqueeze(-1), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                                 group: Any = None) -> torch.Tensor:
+                                 group: Any = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token cross-entropy from this rank's slice of the logits, never gathering them.
 
     Args:
@@ -118,17 +147,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
         target: (...) token ids over the whole vocabulary.
         vocab_start: the first id this rank's logits score.
         group: the tensor-parallel group.
+        ignore_index: targets equal to it get loss 0 and gradient 0 (``F.cross_entropy``'s ``ignore_index``).
 
     Returns:
-        (...) the loss of each token, equal on every rank; three all-reduces of ``target.numel()`` values.
+        (...) the loss of each token, equal on every rank (``F.cross_entropy(..., reduction="none")``
+        of the gathered logits); three all-reduces of ``target.numel()`` values.
 
     Raises:
-        ValueError: ``target``'s shape is not ``logits``'s without the last dimension.
+        ValueError: ``target``'s shape is not ``logits``'s without the last dimension, or a target
+            outside the whole vocabulary that is not ``ignore_index`` (on every rank alike).
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"target must have logits' shape without the vocabulary dimension, got logits "
                          f"{tuple(logits.shape)} and target {tuple(target.shape)}")
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
+    _check_in_vocabulary(target, logits.shape[-1] * R.group_size(group), "target", ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group, ignore_index)
 
 
 class VocabParallelHead(nn.Module):
@@ -158,7 +191,10 @@ class VocabParallelHead(nn.Module):
         return F.linear(x, self.weight)  # (b, s, V/t)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``sum(ce · weights) / sum(weights)`` from this rank's logits (:func:`vocab_parallel_cross_entropy`)."""
+        """``sum(ce · weights) / sum(weights)`` from this rank's logits (:func:`vocab_parallel_cross_entropy`).
+
+        As the dense head's loss: labels -100 count zero loss (but their weight stays in the denominator).
+        """
         ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group)
         w = torch.ones_like(ce) if weights is None else weights.to(ce.dtype)
         return (ce * w).sum() / w.sum().clamp_min(torch.finfo(ce.dtype).tiny)
