@@ -16,6 +16,7 @@ from torch import nn
 
 from parallel_lib.runtime import launch
 from parallel_lib.sharding import ZeroEngine, consolidate, load_full, load_shards, shard_state
+from parallel_lib.sharding.train import ShardConfig, run_sharded, single_process_reference
 
 VOCAB = 97  # odd: the embedding's group is padded on 2 ranks, so padding must stay out of the norm
 CLIP = 0.5  # below tiny GPT-2's gradient norm at every one of the 3 steps (asserted)
@@ -110,8 +111,15 @@ def launched() -> list[dict]:
     return launch(_all, 2, timeout=600)
 
 
+_CLIPPED_CONFIGS = {name: ShardConfig(strategy=strategy, stage=3, vocab_size=VOCAB, batch_size=ROWS, seq_len=SEQ,
+                                       steps=STEPS, max_grad_norm=CLIP)
+                    for name, strategy in (("zero3", "zero"), ("ddp", "ddp"), ("fsdp2", "fsdp2"))}
+
+
 def _all(rank: int, world_size: int) -> dict:
-    return dict(clipped=clipped_runs(rank, world_size), stage3=stage3_between_steps(rank, world_size))
+    configs = {name: run_sharded(rank, world_size, config).state for name, config in _CLIPPED_CONFIGS.items()}
+    return dict(clipped=clipped_runs(rank, world_size), stage3=stage3_between_steps(rank, world_size),
+                configs=configs)
 
 
 def test_the_engines_clipping_equals_one_process_at_every_stage(launched):
@@ -125,6 +133,17 @@ def test_the_engines_clipping_equals_one_process_at_every_stage(launched):
                 # lr 1e-3: an unclipped or locally clipped run is 1e-3 away, float noise ~1e-6
                 torch.testing.assert_close(run["state"][name], value, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"rank {rank}, stage {stage}, {name}: {m}")
+
+
+def test_max_grad_norm_clips_every_strategy_like_one_process(launched):
+    for name, config in _CLIPPED_CONFIGS.items():
+        _, expected, _ = single_process_reference(config)
+        _, unclipped, _ = single_process_reference(ShardConfig(**{**config.__dict__, "max_grad_norm": 0.0}))
+        assert max((expected[k] - unclipped[k]).abs().max() for k in expected) > 1e-4  # the clip changed the run
+        for rank, state in enumerate(r["configs"][name] for r in launched):
+            for param, value in expected.items():
+                torch.testing.assert_close(state[param], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{name}, rank {rank}, {param}: {m}")
 
 
 def test_torchs_clip_on_an_engines_parameters_names_the_engines_method(launched):
@@ -189,6 +208,12 @@ def test_a_state_of_another_shape_is_refused_naming_the_parameter(one_rank_group
     shard = shard_state(ZeroEngine(small, stage=2))
     with pytest.raises(ValueError, match=r"the shard does not fit this model.*\(87, 64\) where the model has"):
         load_shards(engine, shard)
+
+
+def test_max_grad_norm_must_be_a_number_at_least_0():
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_grad_norm must be"):
+            run_sharded(0, 1, ShardConfig(max_grad_norm=bad))
 
 
 def test_max_norm_must_be_positive(one_rank_group):
