@@ -42,7 +42,7 @@ _NO_VALUES |= {_T.grad.__set__, _T.data.__set__, _T.requires_grad.__set__}
 _NO_VALUES |= {getattr(_T, name) for name in (
     "size", "dim", "numel", "nelement", "stride", "storage_offset", "untyped_storage", "data_ptr", "element_size",
     "is_contiguous", "is_floating_point", "is_complex", "get_device", "_is_view", "register_hook",
-    "register_post_accumulate_grad_hook", "requires_grad_", "__hash__")}
+    "register_post_accumulate_grad_hook", "requires_grad_", "__hash__", "__len__")}
 
 
 class FreedParameterError(RuntimeError):
