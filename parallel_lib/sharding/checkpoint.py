@@ -57,7 +57,8 @@ def load_shards(engine: Any, state: dict[str, Any]) -> None:
     """Load this rank's own :func:`shard_state` back.
 
     Raises:
-        ValueError: saved with another world size, rank, stage or grouping (consolidate, then load_full).
+        ValueError: saved with another world size, rank, stage or grouping, or for parameters of other
+            shapes (consolidate, then load_full; a model of another shape cannot take it at all).
     """
     saved = (state["world_size"], state["rank"], state["stage"], [g["names"] for g in state["groups"]])
     here = (engine.world_size, engine.rank, engine.stage, [g["names"] for g in _layout(engine)])
@@ -65,11 +66,23 @@ def load_shards(engine: Any, state: dict[str, Any]) -> None:
         raise ValueError(f"this shard was saved by rank {saved[1]} of world_size={saved[0]} at stage {saved[2]}, "
                          f"this is rank {here[1]} of world_size={here[0]} at stage {here[2]} (or the groups differ); "
                          "join all ranks' shards with consolidate(...) and load the result with load_full(...)")
+    _check_shapes("the shard", {n: tuple(s) for g in state["groups"] for n, s in zip(g["names"], g["shapes"])},
+                  {n: tuple(s) for g in _layout(engine) for n, s in zip(g["names"], g["shapes"])})
     for master, group in zip(engine.master, state["groups"]):
         _set(engine, master, group["values"], {k: group[k] for k in _MOMENTS if k in group}, group["step"])
     if engine.stage in (1, 2):  # every rank's updated part, as after a step
         for group in engine.groups:
             engine.all_gather(group.full, group.shard.clone())
+
+
+def _check_shapes(what: str, given: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise ValueError naming the parameters whose shapes differ between ``given`` and the engine's model."""
+    differ = [f"{n}: {tuple(given[n])} where the model has {tuple(s)}" for n, s in expected.items()
+              if n in given and tuple(given[n]) != tuple(s)]
+    if differ:
+        raise ValueError(f"{what} does not fit this model, {len(differ)} parameter(s) differ in shape: "
+                         + "; ".join(differ[:3]) + ("; ..." if len(differ) > 3 else "")
+                         + " (was it saved from a model of another size or vocabulary?)")
 
 
 def _set(engine: Any, master: torch.Tensor, values: torch.Tensor, moments: dict[str, torch.Tensor],
@@ -89,9 +102,11 @@ def consolidate(shards: Sequence[dict[str, Any]]) -> tuple[dict[str, torch.Tenso
     """Every rank's :func:`shard_state` -> (model state dict of the trainable parameters, AdamW state dict).
 
     Raises:
-        ValueError: shards missing, repeated, or from different runs.
+        ValueError: no shards, or shards missing, repeated, or from different runs.
     """
-    world_size = shards[0]["world_size"] if shards else 0
+    if not shards:
+        raise ValueError("consolidate needs the shard_state(...) of every rank (a list of world_size dicts), got none")
+    world_size = shards[0]["world_size"]
     if sorted(s["rank"] for s in shards) != list(range(world_size)) or len({s["world_size"] for s in shards}) > 1:
         raise ValueError(f"consolidate needs one shard from each of ranks 0..{world_size - 1}, got ranks "
                          f"{sorted(s['rank'] for s in shards)}")
@@ -117,12 +132,14 @@ def load_full(engine: Any, model_state: dict[str, torch.Tensor], optim_state: di
     """Cut this rank's shard out of a plain model state dict and AdamW state dict (any world size).
 
     Raises:
-        ValueError: a trainable parameter missing from ``model_state``.
+        ValueError: a trainable parameter missing from ``model_state``, or one of another shape.
     """
     order = _trainable_names(engine)
     missing = [n for n in order if n not in model_state]
     if missing:
         raise ValueError(f"model_state lacks the trainable parameters {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    shapes = {p._zero_name: tuple(s) for g in engine.groups for p, s in zip(g.params, g.shapes)}
+    _check_shapes("model_state", {n: tuple(model_state[n].shape) for n in shapes}, shapes)
     states = {name: optim_state["state"].get(i, {}) for i, name in enumerate(order)}
     for group, master in zip(engine.groups, engine.master):
         names = [p._zero_name for p in group.params]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord
@@ -53,6 +53,7 @@ class ShardConfig:
     steps: int = 3
     lr: float = 1e-3
     weight_decay: float = 0.01
+    max_grad_norm: float = 0.0      # clip the gradient to this global L2 norm before each step (0: no clipping)
     precision: str = "fp32"         # "fp32" or "bf16" (ZeRO: bf16 params/grads, fp32 master)
     collectives: str = "torch"      # "torch" or "ring" (ZeRO)
     prefetch: bool = False          # ZeRO-3: all-gather the next layer group early
@@ -106,6 +107,7 @@ def build_model(config: ShardConfig) -> nn.Module:
 def _check(config: ShardConfig, world_size: int) -> None:
     check_choice("strategy", config.strategy, STRATEGIES)
     positive_int("steps", config.steps)
+    check_number("max_grad_norm", config.max_grad_norm, 0.0, hint="0 turns clipping off")
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must be a multiple of world_size={world_size} "
                          "(every rank takes as many rows)")
@@ -130,6 +132,8 @@ def single_process_reference(config: ShardConfig, steps: Optional[int] = None,
     for batch in global_batches(config)[first:steps]:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        if config.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -168,6 +172,14 @@ def _counted_all_reduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP c
     """DDP's default all-reduce hook, but through ``dist.all_reduce`` so that count_collectives sees it."""
     buffer = bucket.buffer().div_(dist.get_world_size())
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _clip(model: nn.Module, stepper: Any, max_norm: float) -> None:
+    """Clip by the norm of the averaged gradient: the engine's own call, or torch's (DDP and FSDP2 average first)."""
+    if isinstance(stepper, ZeroEngine):
+        stepper.clip_grad_norm_(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def _census(config: ShardConfig, model: nn.Module, stepper: Any) -> dict[str, int]:
@@ -227,6 +239,8 @@ def run_sharded(rank: int, world_size: int, config: ShardConfig,
             loss.backward()
             if measured:
                 census = _census(config, model, stepper)
+            if config.max_grad_norm:
+                _clip(model, stepper, config.max_grad_norm)
             stepper.step()
             if not isinstance(stepper, ZeroEngine):
                 stepper.zero_grad(set_to_none=True)

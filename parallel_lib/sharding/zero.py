@@ -22,22 +22,28 @@ the course's :func:`~parallel_lib.data_parallel.ring.ring_reduce_scatter` and
 :func:`~parallel_lib.data_parallel.ring.ring_all_gather`.
 
 Use: ``engine = ZeroEngine(model, stage=2)``, then per step ``model(...).loss.backward()`` (once, or
-once per micro-batch to accumulate) and ``engine.step()``, which also zeroes the gradients.
+once per micro-batch to accumulate), optionally ``engine.clip_grad_norm_(1.0)``, and ``engine.step()``,
+which also zeroes the gradients. Between steps a stage-3 model holds no full parameter: read or
+load it inside ``with engine.gathered():``, save it with ``engine.full_state_dict()``
+(:mod:`~parallel_lib.sharding.guards` turns any other access, and torch's own
+``clip_grad_norm_``, into an error that says so).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.common.checks import check_choice, positive_number
+from parallel_lib.common.checks import check_choice, check_int, positive_number
 from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.data_parallel.ring import require_process_group, ring_all_gather, ring_reduce_scatter
 from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 from parallel_lib.sharding.flat import FlatParamGroup, make_buckets
+from parallel_lib.sharding.guards import ENGINE_MARK, guard_parameter, install_clip_guard, unguard_parameter
 from parallel_lib.sharding.layers import StageThreeHooks, layer_modules
 
 __all__ = ["STAGES", "COLLECTIVES", "PRECISIONS", "ZeroEngine"]
@@ -75,8 +81,9 @@ class ZeroEngine:
 
     Raises:
         RuntimeError: no initialised process group.
-        ValueError: a stage outside 0-3, an unknown precision or collectives, or more ranks
-            than trainable elements to shard.
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a stage that is not an int in 0-3, an unknown precision or collectives, or more
+            ranks than trainable elements to shard.
     """
 
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -85,8 +92,11 @@ class ZeroEngine:
                  layer_groups: Optional[Sequence[nn.Module]] = None,
                  recorder: Optional[TimelineRecorder] = None, group: Any = None,
                  separate: Sequence[nn.Parameter] = ()) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module (the replica to shard), got model={model!r} "
+                            f"({type(model).__name__}); build it first, e.g. build_gpt2('tiny')")
+        self.stage = check_choice("stage", check_int("stage", stage), STAGES)
         require_process_group("ZeroEngine")
-        self.stage = check_choice("stage", stage, STAGES)
         self.precision = check_choice("precision", precision, PRECISIONS)
         self.collectives = check_choice("collectives", collectives, COLLECTIVES)
         positive_number("bucket_cap_mb", bucket_cap_mb)
@@ -136,11 +146,19 @@ class ZeroEngine:
         if stage >= 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for g in self.groups for p in g.params]
+        install_clip_guard()
+        for g in self.groups:
+            for p in g.params:
+                setattr(p, ENGINE_MARK, True)  # torch's clip_grad_norm_ refuses them
         self.layers: Optional[StageThreeHooks] = None
         if stage == 3:
             for g in self.groups:
                 g.free()
+                for p in g.params:  # reading a freed parameter raises instead of reading freed memory
+                    guard_parameter(p)
             self.layers = StageThreeHooks(self, model, owners, prefetch and collectives == "torch")
+            self._hooks.append(model.register_state_dict_pre_hook(self._refuse_freed_state_dict))
+            self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_freed_load))
 
     # --- set-up ------------------------------------------------------------------------------------
 
@@ -273,6 +291,46 @@ class ZeroEngine:
             return self.grad_full[i][self.rank * group.shard_numel:(self.rank + 1) * group.shard_numel]
         return self.grad_shards[i]  # type: ignore[return-value]  # reduce_gradients filled every group
 
+    def _owned_gradients(self) -> list[torch.Tensor]:
+        """This rank's disjoint part of the mean gradient, real elements only (no padding), per group."""
+        out = []
+        for i, group in enumerate(self.groups):
+            if self.stage == 0:  # every rank holds the whole mean gradient: each counts it all, no all-reduce
+                out.append(self.grad_full[i][:group.numel])
+                continue
+            start = self.rank * group.shard_numel
+            real = max(0, min(group.shard_numel, group.numel - start))  # the last ranks' shards end in padding
+            shard = self.grad_full[i][start:start + group.shard_numel] if self.stage == 1 else self.grad_shards[i]
+            out.append(shard[:real])  # type: ignore[index]  # reduce_gradients filled every group
+        return out
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the mean gradient so that its global L2 norm is at most ``max_norm``; returns the norm before.
+
+        The same result as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` in one
+        process on the whole batch (the same ``max_norm / (norm + 1e-6)`` factor): each rank sums the
+        squares of its shard of the averaged gradient and one all-reduce over the engine's group adds
+        them (stage 0: every rank already holds the whole gradient). Call it on every rank after the
+        backward passes and before :meth:`step`. The norm covers this engine's parameters over its group;
+        a model also split by tensor or pipeline parallelism needs those groups' parts added too.
+
+        Raises:
+            ValueError: ``max_norm`` not a finite number > 0.
+        """
+        positive_number("max_norm", max_norm)
+        self.reduce_gradients()
+        owned = self._owned_gradients()
+        squares = torch.zeros((), dtype=torch.float32, device=self.groups[0].full.device)
+        for grad in owned:
+            squares += grad.float().pow(2).sum()
+        if self.stage > 0:
+            self._timed("AR grad norm", lambda: dist.all_reduce(squares, group=self.group))
+        total = squares.sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in owned:
+            grad.mul_(scale.to(grad.dtype))
+        return total
+
     # --- the step ----------------------------------------------------------------------------------
 
     def step(self) -> None:
@@ -327,6 +385,51 @@ class ZeroEngine:
         for group in self.groups:
             group.check_unchanged(params)
 
+    # --- the full parameters of stage 3 ------------------------------------------------------------
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Stage 3: every parameter full inside the block; what it changed is kept in the shards after it.
+
+        A collective: enter it on every rank of the group, between steps (not inside a forward or
+        backward). ``with engine.gathered(): model.load_state_dict(state)`` loads a plain state dict
+        (stage 3 with bf16: the fp32 master takes the loaded values). Stages 0-2 hold full parameters
+        already: the block just runs.
+        """
+        if self.layers is None:
+            yield
+            return
+        for i in range(len(self.groups)):
+            self.layers.gather(i)
+        try:
+            yield
+        finally:
+            for group, master in zip(self.groups, self.master):
+                mine = group.full[self.rank * group.shard_numel:(self.rank + 1) * group.shard_numel]
+                if not torch.equal(mine, group.shard):  # changed inside the block: keep it
+                    with torch.no_grad():
+                        group.shard.copy_(mine)
+                        if master is not group.shard:
+                            master.copy_(group.shard)
+                group.free()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with every parameter full (copies), on every rank; a collective at stage 3."""
+        with self.gathered():
+            return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def _refuse_freed_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if any(not g.gathered for g in self.groups):
+            raise RuntimeError("model.state_dict() of a ZeRO-3 model between steps: its parameters are freed (only "
+                               "this rank's shard is kept); call engine.full_state_dict() on every rank for the "
+                               "full state, or take it inside 'with engine.gathered():'")
+
+    def _refuse_freed_load(self, module: nn.Module, *args: Any) -> None:
+        if any(not g.gathered for g in self.groups):
+            raise RuntimeError("model.load_state_dict(...) of a ZeRO-3 model between steps: its parameters are freed "
+                               "(only this rank's shard is kept); load on every rank inside the gathered block: "
+                               "'with engine.gathered(): model.load_state_dict(state)'")
+
     def remove(self) -> None:
         """Unregister every hook; stage 3 gathers the full parameters back into the model first."""
         for hook in self._hooks:
@@ -337,3 +440,8 @@ class ZeroEngine:
                 self.layers.gather(i)
             self.layers.remove()
             self.layers = None
+        for group in self.groups:
+            for p in group.params:
+                unguard_parameter(p)
+                if hasattr(p, ENGINE_MARK):
+                    delattr(p, ENGINE_MARK)
