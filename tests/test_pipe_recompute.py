@@ -78,6 +78,22 @@ def test_recomputed_dropout_gives_the_gradients_of_the_forward_that_was_run(sche
     torch.testing.assert_close(after, expected_after, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recomputed_dropout_matches_one_process_run_micro_batch_by_micro_batch(schedule):
+    # only the last stage draws, in micro-batch order on every schedule: the plain model run on the
+    # micro-batches in order, from the same seed, draws the same masks
+    model = dropout_model(tuples=False)
+    reference = copy.deepcopy(model)
+    loss, grads, _ = step(model, "always", schedule, tuples=False)
+    x, y = batch(tuples=False)
+    torch.manual_seed(2)
+    expected = sum(mse(reference(xi), yi) / 4 for xi, yi in zip(x.chunk(4), y.chunk(4)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
 class Scale(nn.Module):
     def __init__(self, value):
         super().__init__()
@@ -140,8 +156,12 @@ def test_pipe_call_recomputes_a_tuple_batch():
     x, _ = batch(tuples=True)
     for module, checkpoint in ((reference, "never"), (model, "always")):
         with Pipe(module, ["cpu", "cpu"], chunks=4, checkpoint=checkpoint) as pipe:
+            calls = [0, 0]
+            for s, partition in enumerate(pipe.partitions):
+                partition.register_forward_hook(lambda module, args, out, s=s: calls.__setitem__(s, calls[s] + 1))
             torch.manual_seed(3)
             pipe(x)[0].square().sum().backward()
+        assert calls == ([8, 8] if checkpoint == "always" else [4, 4])  # recomputed in the backward
     expected = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name].grad, rtol=0, atol=0, msg=name)

@@ -210,9 +210,11 @@ class StageRunner:
         with self._turn():
             if recompute and torch.is_grad_enabled():
                 # tensors as arguments of their own: checkpoint saves the RNG state of their CUDA devices;
-                # the backward of pipe(x) runs after the step, when no stage thread draws random numbers
-                return torch.utils.checkpoint.checkpoint(lambda *tensors: self.module(like(x, tensors)), *as_tuple(x),
-                                                         use_reentrant=False, preserve_rng_state=True)
+                # the backward of pipe(x) runs after the step, when no stage thread draws random numbers;
+                # no early stop: the recomputation runs the whole module, so its forward hooks fire again
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    return torch.utils.checkpoint.checkpoint(lambda *tensors: self.module(like(x, tensors)),
+                                                             *as_tuple(x), use_reentrant=False, preserve_rng_state=True)
             return self.module(x)
 
     def forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]] = None,
