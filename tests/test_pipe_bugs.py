@@ -420,3 +420,15 @@ def test_simulate_names_a_cost_that_is_not_a_number_and_all_zero_costs():
     for costs in ((0, 0), (0.0, 0.0, 0.0), [(0, 0), (0, 0)]):
         with pytest.raises(ValueError, match=r"stage_costs are all zero .* give positive costs, e.g. "):
             simulate(schedule, costs)
+
+
+def test_a_stage_whose_forward_runs_a_layer_twice_is_named():
+    from parallel_lib.pipeline_parallel.stage import StageRunner
+
+    class Twice(nn.Sequential):
+        def forward(self, x):
+            return self[0](self[0](x))
+
+    runner = StageRunner(Twice(nn.Linear(2, 2), nn.Linear(2, 2)), torch.device("cpu"), first=True)
+    with pytest.raises(RuntimeError, match=r"a stage.s layers ran in the order \[0, 0\], not each once in order \(0..1\)"):
+        runner.forward(torch.randn(3, 2))

@@ -23,6 +23,11 @@ Inputs and outputs are a tensor or a tuple of tensors (hidden states plus a mask
 torchgpipe allows); tensors that are not floating point (masks, token ids) travel along
 without gradients.
 
+Recomputation (``forward(..., recompute=True)``) keeps only the input and runs the forward again
+at backward time, from the random-number state saved when the forward started (the CPU
+generator's and the stage's GPU's, as torchgpipe saves them per micro-batch), so dropout draws
+the same masks twice and the gradients belong to the forward whose output was handed on.
+
 Devices. The input is moved to the stage's device on the stage's own thread with
 ``Tensor.to``. Between two GPUs PyTorch runs that copy on the source device's current
 stream after making it wait for the destination's current stream, and makes the
@@ -147,7 +152,14 @@ RngState = tuple[Tensor, Optional[Tensor]]  # the CPU generator's state, the sta
 
 
 def save_rng(device: torch.device) -> RngState:
-    """The random-number state a forward on ``device`` starts from: the CPU generator's and, on a GPU, its own."""
+    """The random-number state a forward on ``device`` starts from: the CPU generator's and, on a GPU, its own.
+
+    Args:
+        device: the stage's device.
+
+    Returns:
+        ``(CPU state, the GPU's state or None)``, for :func:`replayed_rng`.
+    """
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
@@ -158,6 +170,10 @@ def replayed_rng(device: torch.device, state: RngState) -> Any:
     A recomputed forward draws the same dropout masks as the forward it replays, and the draws of
     the replay take nothing from the generators' sequence (the next forward draws what it would
     have drawn without the recomputation).
+
+    Args:
+        device: the stage's device (its GPU's generator is replayed too).
+        state: what :func:`save_rng` returned at the forward's start.
     """
     cpu, cuda = state
     with torch.random.fork_rng(devices=[device] if cuda is not None else [], device_type="cuda"):
@@ -260,14 +276,20 @@ class StageRunner:
         if layers == [self.module]:
             y = self.module(inputs)
             return y, [as_tuple(y)]
-        bounds: list[tuple[Tensor, ...]] = []
-        handles = [layer.register_forward_hook(lambda _layer, _args, out: bounds.append(as_tuple(out)))
-                   for layer in layers]  # after the user's own hooks: sees what the next layer gets
+        ran: list[tuple[int, tuple[Tensor, ...]]] = []  # (layer, its output) in the order they ran
+        handles = [layer.register_forward_hook(lambda _layer, _args, out, k=k: ran.append((k, as_tuple(out))))
+                   for k, layer in enumerate(layers)]  # after the user's own hooks: sees what the next layer gets
         try:
             y = self.module(inputs)
         finally:
             for handle in handles:
                 handle.remove()
+        if [k for k, _ in ran] != list(range(len(layers))):  # W is cut between the layers
+            raise RuntimeError(f"a stage's layers ran in the order {[k for k, _ in ran]}, not each once in order "
+                               f"(0..{len(layers) - 1}); a stage must call each of its layers once, in order (a "
+                               f"layer held twice, or an nn.Sequential with a forward of its own, cannot be cut "
+                               f"into layers)")
+        bounds = [out for _, out in ran]
         return y, bounds
 
     def _layers(self) -> list[nn.Module]:
