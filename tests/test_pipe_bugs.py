@@ -430,5 +430,6 @@ def test_a_stage_whose_forward_runs_a_layer_twice_is_named():
             return self[0](self[0](x))
 
     runner = StageRunner(Twice(nn.Linear(2, 2), nn.Linear(2, 2)), torch.device("cpu"), first=True)
-    with pytest.raises(RuntimeError, match=r"a stage.s layers ran in the order \[0, 0\], not each once in order \(0..1\)"):
+    message = r"a stage.s layers ran in the order \[0, 0\], not each once in order \(0..1\)"
+    with pytest.raises(RuntimeError, match=message):
         runner.forward(torch.randn(3, 2))
