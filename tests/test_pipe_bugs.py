@@ -367,3 +367,69 @@ def test_64_mb_activations_cross_stages_and_train_exactly():
     with Pipe(model, [0, 1], chunks=2, schedule="1f1b") as pipe:
         pipe.train_step(x, y, mse)
     assert_grads(model, expected)
+
+
+def test_moving_a_pipe_to_a_gpu_index_is_the_refusal_on_any_machine():
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["cpu", "cpu"])
+    for args, kwargs in [((0,), {}), (("cuda:0",), {}), ((), {"device": 1}), ((torch.device("cpu"),), {})]:
+        with pytest.raises(TypeError, match="a Pipe places its stages itself"):
+            pipe.to(*args, **kwargs)
+    assert pipe.to(torch.float64) is pipe and pipe.partitions[0][0].weight.dtype == torch.float64
+    pipe.close()
+
+
+def test_too_few_layers_for_two_stages_per_device_says_so():
+    layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+    with pytest.raises(ValueError, match=r"schedule='interleaved' cuts the layers into 2 stages per device, so 2 "
+                                         r"devices need at least 4 layers, and the module has 3; use at most 1 "):
+        Pipe(layers, ["cpu", "cpu"], schedule="interleaved")
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "interleaved"])
+def test_a_batch_with_fewer_rows_than_chunks_names_rows_not_m(schedule):
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    with Pipe(model, ["cpu", "cpu"], chunks=4, schedule=schedule) as pipe:
+        message = (rf"schedule='{schedule}' on 2 devices cannot run 3 micro-batches \(the next number it runs is 4\): "
+                   r"the batch's 3 rows split into only 3 micro-batches of one row, not chunks=4; give a batch of "
+                   r"at least 4 rows$")
+        with pytest.raises(ValueError, match=message):
+            pipe.train_step(torch.randn(3, 2), torch.randn(3, 2), mse)
+        with pytest.raises(ValueError, match=message):
+            pipe(torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zbv", "dualpipev"])
+def test_every_schedule_refuses_a_float_size_alike(name):
+    with pytest.raises(ValueError, match=r"p must be an int >= 1, got p=2.0 \(float\)"):
+        make_schedule(name, 2.0, 4)
+    with pytest.raises(ValueError, match=r"m must be an int >= 1, got m=4.0 \(float\)"):
+        make_schedule(name, 2, 4.0)
+
+
+def test_simulate_names_a_cost_that_is_not_a_number_and_all_zero_costs():
+    schedule = make_schedule("1f1b", 2, 4)
+    with pytest.raises(TypeError, match=r"stage_costs must hold numbers \(times\), got '1' \(str\) in "
+                                        r"stage_costs=\('1', 1\); e.g. stage_costs=\(1.0, 2.0\)"):
+        simulate(schedule, ("1", 1))
+    with pytest.raises(TypeError, match=r"stage_costs must hold numbers \(times\), got 'a' \(str\)"):
+        simulate(schedule, [(1.0, 1.0), ("a", 1.0)])
+    for costs in ("1", 5):
+        with pytest.raises(TypeError, match=r"stage_costs must be one \(forward, backward\[, weight\]\) tuple of "
+                                            r"numbers or a list of 2 of them .*e.g. stage_costs=\(1.0, 2.0\)"):
+            simulate(schedule, costs)
+    for costs in ((0, 0), (0.0, 0.0, 0.0), [(0, 0), (0, 0)]):
+        with pytest.raises(ValueError, match=r"stage_costs are all zero .* give positive costs, e.g. "):
+            simulate(schedule, costs)
+
+
+def test_a_stage_whose_forward_runs_a_layer_twice_is_named():
+    from parallel_lib.pipeline_parallel.stage import StageRunner
+
+    class Twice(nn.Sequential):
+        def forward(self, x):
+            return self[0](self[0](x))
+
+    runner = StageRunner(Twice(nn.Linear(2, 2), nn.Linear(2, 2)), torch.device("cpu"), first=True)
+    message = r"a stage.s layers ran in the order \[0, 0\], not each once in order \(0..1\)"
+    with pytest.raises(RuntimeError, match=message):
+        runner.forward(torch.randn(3, 2))

@@ -28,6 +28,7 @@ then holds part of the failed step's gradients: zero them before the next step.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from functools import partial
@@ -65,6 +66,19 @@ _MOVING_DENIED = ("a Pipe places its stages itself and moving it would leave its
                   "choose the devices when making it, e.g. Pipe(module, devices=[0, 1])")
 
 
+def _generator(device: torch.device) -> str:
+    """The random-number generator a stage on ``device`` draws from ("cuda" is GPU 0 in a stage's thread)."""
+    return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+
+
+def _accepts(name: str, p: int, m: int) -> bool:
+    try:
+        make_schedule(name, p, m)
+    except ValueError:
+        return False
+    return True
+
+
 class Pipe(nn.Module):
     """Pipeline parallelism for an ``nn.Sequential``, one worker thread per stage.
 
@@ -73,6 +87,10 @@ class Pipe(nn.Module):
     schedule. ``pipe(x)`` is a forward pass (outputs concatenated in order; with
     grad enabled they stay connected to the stages' graphs, so ``.backward()``
     works, unpipelined). :meth:`train_step` runs forward and a pipelined backward.
+
+    Hooks: the Pipe calls each partition (``pipe.partitions[s]``) as a module on every route, so
+    forward (pre-)hooks registered on a partition or on its layers fire once per micro-batch,
+    and once more for a micro-batch whose forward is recomputed (as in torchgpipe).
 
     Args:
         module: the layers, in order; each takes and returns a tensor or a tuple of tensors
@@ -91,7 +109,20 @@ class Pipe(nn.Module):
             which cut the layers into 2 stages per device (interleaved: stage s on device s % p; the others a V).
         checkpoint: activation recomputation, as torchgpipe offers it: "never", "except_last"
             (every micro-batch but the last keeps only its input and runs its forward again at
-            backward time) or "always".
+            backward time) or "always". In :meth:`train_step` the recomputation runs in the
+            stage's pipelined backward; after ``pipe(x)`` with grad on, in autograd's backward of
+            the output (``torch.utils.checkpoint``). Either way it replays the random-number state
+            the forward started from (the CPU generator's and the stage's GPU's), so dropout
+            draws the same masks and the gradients belong to the forward whose loss was
+            returned; to make that exact, stages that share a generator (several CPU stages,
+            two stages on one GPU) run their forwards one at a time when ``checkpoint`` is not
+            "never". The recomputation runs every layer's forward twice: an in-place operation
+            that is not safe to repeat on a tensor without gradient (``mask.add_(1)`` on an
+            input) runs twice too, and the gradients then follow the second run (as in
+            torchgpipe: in :meth:`train_step` the gradient of ``x * w * mask`` after
+            ``mask.add_(1)`` is 3 instead of 2; after ``pipe(x)``, ``backward`` raises
+            "modified by an inplace operation"); keep such operations out of a checkpointed
+            Pipe, or make them out of place.
         num_threads: ``torch.set_num_threads`` in each worker thread.
         timeout: seconds to wait for any task to finish before raising ``TimeoutError``.
         tied_parameters: pairs of parameters that are one weight in the original model
@@ -135,6 +166,7 @@ class Pipe(nn.Module):
                         for s, (part, device) in enumerate(zip(self.partitions, stage_devices))]
         self.chunks, self.split_size, self.schedule = chunks, split_size, schedule
         self.checkpoint = checkpoint
+        self._rng_locks = {_generator(device): threading.Lock() for device in stage_devices}
         self.timeout = float(timeout)
         self.tied_parameters = list(tied_parameters if tied_parameters is not None
                                     else getattr(module, "tied_parameters", ()))
@@ -156,8 +188,9 @@ class Pipe(nn.Module):
         Raises:
             TypeError: a device (or a tensor, whose device it would take) is given.
         """
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
+        # refused before parsing: parsing a GPU index on a machine without one raises its own error
+        moving = any(not isinstance(a, (torch.dtype, bool)) for a in args) or {"device", "tensor"} & set(kwargs)
+        if moving or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
             raise TypeError(_MOVING_DENIED)
         return super().to(*args, **kwargs)
 
@@ -188,11 +221,31 @@ class Pipe(nn.Module):
         """The schedule this pipe runs for a given number of micro-batches."""
         return make_schedule(self.schedule, self.num_stages, num_micro_batches)
 
+    def _schedule_for(self, inputs: list[TensorOrTensors], batch: TensorOrTensors) -> Schedule:
+        """The schedule for a batch split into ``inputs``, or an error in the caller's terms (rows, chunks).
+
+        Raises:
+            ValueError: the schedule cannot run the micro-batches the batch splits into.
+        """
+        try:
+            return self.make_schedule(len(inputs))
+        except ValueError:
+            m, rows = len(inputs), (batch if isinstance(batch, Tensor) else batch[0]).size(0)
+            runs = [k for k in range(m + 1, m + 4 * self.num_stages + 1) if _accepts(self.schedule, self.num_stages, k)]
+            head = (f"schedule={self.schedule!r} on {self.num_stages} devices cannot run {m} micro-batches"
+                    + (f" (the next number it runs is {runs[0]})" if runs else ""))
+            if self.chunks is not None and rows < self.chunks:
+                raise ValueError(f"{head}: the batch's {rows} rows split into only {m} micro-batches of one row, "
+                                 f"not chunks={self.chunks}; give a batch of at least {self.chunks} rows") from None
+            asked = f"chunks={self.chunks}" if self.chunks is not None else f"split_size={self.split_size}"
+            raise ValueError(f"{head}: the batch of {rows} rows splits into {m} with {asked}; choose chunks "
+                             f"(or split_size) so that it splits into a number the schedule runs") from None
+
     def forward(self, batch: TensorOrTensors) -> TensorOrTensors:
         """Run the micro-batches of ``batch`` through the stages; outputs concatenated on the last device."""
         inputs = scatter(batch, self.chunks, self.split_size)
-        schedule = self.make_schedule(len(inputs)).forward_only()
-        ranks = self._execute(schedule, torch.is_grad_enabled(), inputs=inputs, train=False)
+        schedule = self._schedule_for(inputs, batch).forward_only()
+        ranks = self._execute(schedule, torch.is_grad_enabled(), inputs=inputs, train=False)  # recomputes with grad on
         outputs = ranks[self.placement[-1]].outputs
         return gather([outputs[i] for i in range(len(inputs))])
 
@@ -241,9 +294,8 @@ class Pipe(nn.Module):
             return lambda y: loss_fn(y, *(t.to(device) for t in mine)) * weights[i]
 
         m = len(inputs)
-        recompute = (lambda i: self.checkpoint == "always" or (self.checkpoint == "except_last" and i < m - 1))
         before = [(a.grad.clone() if a.grad is not None else None) for a, _ in self.tied_parameters]
-        ranks = self._execute(self.make_schedule(m), True, inputs=inputs, loss=loss, recompute=recompute)
+        ranks = self._execute(self._schedule_for(inputs, batch), True, inputs=inputs, loss=loss)
         self.peak_activations = [r.peak for r in ranks]
         self.peak_activation_bytes = [r.peak_bytes for r in ranks]
         sum_tied_gradients(self.tied_parameters, before)
@@ -253,9 +305,13 @@ class Pipe(nn.Module):
     def _execute(self, schedule: Schedule, grad_mode: bool, **step: Any) -> list[RankStages]:
         """Run every rank's actions on its worker thread (``run_actions`` over a :class:`ThreadLink`).
 
-        ``step`` goes to each rank's :class:`RankStages` (inputs, loss, train, recompute).
-        Returns the ranks' stages, with their losses, outputs and memory peaks.
+        ``step`` goes to each rank's :class:`RankStages` (inputs, loss, train), with which micro-batches
+        recompute (``checkpoint``). Returns the ranks' stages, with their losses, outputs and memory peaks.
         """
+        m = len(step["inputs"])
+        step["recompute"] = lambda i: self.checkpoint == "always" or (self.checkpoint == "except_last" and i < m - 1)
+        for runner in self.runners:  # recomputing: stages that share a generator draw from it in turn
+            runner.rng_lock = self._rng_locks[_generator(runner.device)] if self.checkpoint != "never" else None
         self.timeline.reset()
         self._workers.start()  # refuses while a task of a failed call still runs
         p = schedule.num_stages

@@ -42,10 +42,18 @@ def layout(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap], schedu
     """``(device key per rank, layer indices per model stage, rank per model stage)`` for a schedule.
 
     Raises:
-        ValueError: a device map for a schedule with several stages per device (it places them itself).
+        ValueError: a device map for a schedule with several stages per device (it places them itself), or
+            fewer layers than such a schedule's stages.
     """
+    v = stages_per_rank(schedule)
+    if v > 1 and isinstance(devices, (list, tuple)) and n_layers < v * len(devices):
+        fits = n_layers // v
+        raise ValueError(f"schedule={schedule!r} cuts the layers into {v} stages per device, so {len(devices)} "
+                         f"devices need at least {v * len(devices)} layers, and the module has {n_layers}; "
+                         + (f"use at most {fits} devices, or " if fits else "use ")
+                         + "a schedule with one stage per device (e.g. '1f1b')")
     keys, stage_layers = split_layers(n_layers, devices, "layers")
-    if stages_per_rank(schedule) == 1:
+    if v == 1:
         return keys, stage_layers, tuple(range(len(keys)))
     if isinstance(devices, dict):
         raise ValueError(f"schedule={schedule!r} places {stages_per_rank(schedule)} stages on each device "

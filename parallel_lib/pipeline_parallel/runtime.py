@@ -88,7 +88,8 @@ class RankStages:
             (training only).
         train: False runs the stages without cutting (inference; with grad on, ``pipe(x)``'s
             outputs stay attached to every stage's graph).
-        recompute: ``recompute(i)``: micro-batch i keeps only its input and runs its forward again at B.
+        recompute: ``recompute(i)``: micro-batch i keeps only its input and runs its forward again at B
+            (not training, with grad on: in autograd's backward of the output, see ``StageRunner.run``).
         timed: ``timed(action, compute)`` runs one action's compute (the Pipe times it on the
             timeline and reports it done; a rank process records an event).
 
@@ -125,7 +126,7 @@ class RankStages:
         s, i, runner = self._stage(action)
         x = self.inputs[i] if s == 0 else x
         if not self.train:
-            y = self.timed(action, lambda: runner.run(x))
+            y = self.timed(action, lambda: runner.run(x, recompute=self.recompute(i)))
             if s == self.last:
                 self.outputs[i] = y
                 return None

@@ -228,9 +228,10 @@ def make_schedule(name: str, p: int, m: int) -> Schedule:
     """The schedule called ``name`` (see :data:`ALL_SCHEDULES`) for p ranks and m micro-batches.
 
     Raises:
-        ValueError: an unknown name, p, m below 1, or an m the schedule cannot run with.
+        ValueError: an unknown name, p, m not an int of at least 1, or an m the schedule cannot run with.
     """
     _known(name)
+    _check_sizes(p, m)  # every schedule, before its generator does arithmetic on them
     return ALL_SCHEDULES[name][0](p, m)
 
 

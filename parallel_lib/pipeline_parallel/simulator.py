@@ -82,13 +82,24 @@ def per_stage_costs(schedule: Schedule, costs: Costs) -> list[tuple[float, float
     costs B + W for its backward.
     """
     n, v = schedule.num_model_stages, schedule.virtual
-    single = isinstance(costs, (tuple, list)) and all(isinstance(c, (int, float)) for c in costs)
+    example = "e.g. stage_costs=(1.0, 2.0) for a forward of 1 and a backward of 2 time units"
+    if not isinstance(costs, (tuple, list)) or not costs:
+        raise TypeError(f"stage_costs must be one (forward, backward[, weight]) tuple of numbers or a list of "
+                        f"{n} of them (one per model stage), got {costs!r} ({type(costs).__name__}); {example}")
+    single = not any(isinstance(c, (tuple, list)) for c in costs)
+    for x in (costs if single else [x for c in costs if isinstance(c, (tuple, list)) for x in c]):
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            raise TypeError(f"stage_costs must hold numbers (times), got {x!r} ({type(x).__name__}) in "
+                            f"stage_costs={costs!r}; {example}")
     items = [tuple(x / v for x in costs)] * n if single else [tuple(c) for c in costs]  # type: ignore[union-attr]
     ok = len(items) == n and all(len(c) in (2, 3) and all(isinstance(x, (int, float)) and math.isfinite(x)
                                                           and x >= 0 for x in c) for c in items)
     if not ok:
         raise ValueError(f"stage_costs must be one (forward, backward[, weight]) cost of finite, non-negative "
                          f"numbers or {n} of them (one per model stage), got stage_costs={costs!r}")
+    if not any(x > 0 for c in items for x in c):
+        raise ValueError(f"stage_costs are all zero ({costs!r}): every action would take no time, so the timeline "
+                         f"has no step time and no bubble to measure; give positive costs, {example}")
     return [(c[0], c[1] / 2, c[1] / 2) if len(c) == 2 else (c[0], c[1], c[2]) for c in items]  # type: ignore
 
 
@@ -165,7 +176,9 @@ def simulate(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm: float = 
         W actions are backward events labelled "W", a stage of a multi-stage rank is in the label.
 
     Raises:
-        ValueError: an invalid schedule, badly shaped costs or a cost that is negative, NaN or infinite.
+        TypeError: costs that are not a tuple (or list) of numbers, or a list of such tuples.
+        ValueError: an invalid schedule, badly shaped costs, a cost that is negative, NaN or infinite,
+            or costs that are all zero.
     """
     checked = per_stage_costs(schedule, stage_costs)  # shape errors before validation
     validate_schedule(schedule, require_backward=any(a.kind == "B" for a in schedule.stages[0]))

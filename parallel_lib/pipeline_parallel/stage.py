@@ -23,6 +23,11 @@ Inputs and outputs are a tensor or a tuple of tensors (hidden states plus a mask
 torchgpipe allows); tensors that are not floating point (masks, token ids) travel along
 without gradients.
 
+Recomputation (``forward(..., recompute=True)``) keeps only the input and runs the forward again
+at backward time, from the random-number state saved when the forward started (the CPU
+generator's and the stage's GPU's, as torchgpipe saves them per micro-batch), so dropout draws
+the same masks twice and the gradients belong to the forward whose output was handed on.
+
 Devices. The input is moved to the stage's device on the stage's own thread with
 ``Tensor.to``. Between two GPUs PyTorch runs that copy on the source device's current
 stream after making it wait for the destination's current stream, and makes the
@@ -37,15 +42,18 @@ well under a millisecond) that is a small share of a stage's time.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+import contextlib
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
-__all__ = ["TensorOrTensors", "Saved", "StageRunner", "as_tuple", "like", "cut", "saved_bytes", "move_stage"]
+__all__ = ["TensorOrTensors", "Saved", "StageRunner", "RngState", "as_tuple", "like", "cut", "saved_bytes",
+           "move_stage", "save_rng", "replayed_rng"]
 
 TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
-Saved = tuple[Any, ...]  # (input leaves, outputs or loss, each layer's outputs) or ("recompute", input, loss)
+Saved = tuple[Any, ...]  # (input leaves, outputs or loss, each layer's outputs) or ("recompute", input, loss, rng)
 
 
 def as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
@@ -140,6 +148,41 @@ class saved_bytes:
         self._hooks.__exit__(*exc)
 
 
+RngState = tuple[Tensor, Optional[Tensor]]  # the CPU generator's state, the stage's CUDA device's (None on a CPU)
+
+
+def save_rng(device: torch.device) -> RngState:
+    """The random-number state a forward on ``device`` starts from: the CPU generator's and, on a GPU, its own.
+
+    Args:
+        device: the stage's device.
+
+    Returns:
+        ``(CPU state, the GPU's state or None)``, for :func:`replayed_rng`.
+    """
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def replayed_rng(device: torch.device, state: RngState) -> Any:
+    """Run the block from ``state`` (see :func:`save_rng`), then give the generators back their current state.
+
+    A recomputed forward draws the same dropout masks as the forward it replays, and the draws of
+    the replay take nothing from the generators' sequence (the next forward draws what it would
+    have drawn without the recomputation).
+
+    Args:
+        device: the stage's device (its GPU's generator is replayed too).
+        state: what :func:`save_rng` returned at the forward's start.
+    """
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
 class StageRunner:
     """Forward and backward of one stage on its device, for one micro-batch at a time.
 
@@ -147,6 +190,16 @@ class StageRunner:
         module: the stage's layers (in an ``nn.Sequential`` a tuple reaches the next layer whole).
         device: the stage's device; inputs are moved there.
         first: the first stage: its input (the batch) needs no gradient and is not cut.
+
+    Attributes:
+        rng_lock: None, or a lock every forward (and recomputation) of this runner holds: the
+            threaded Pipe gives the stages that share a random-number generator (several CPU
+            stages, two stages on one GPU) one lock while recomputing, so no other stage draws
+            from the generator between a forward's saved state and its draws.
+
+    Hooks. Every forward calls ``module`` itself, so forward (pre-)hooks registered on it fire
+    once per micro-batch, and once more when that micro-batch is recomputed at backward time
+    (the recomputation calls the module again, as torchgpipe's does).
 
     Example (one micro-batch through two runners, no threads)::
 
@@ -158,10 +211,27 @@ class StageRunner:
 
     def __init__(self, module: nn.Module, device: torch.device, first: bool) -> None:
         self.module, self.device, self.first = module, device, first
+        self.rng_lock: Optional[ContextManager[Any]] = None
 
-    def run(self, x: TensorOrTensors) -> TensorOrTensors:
-        """The stage on ``x`` without cutting: with grad on, the output stays attached to ``x``'s graph."""
-        return self.module(_moved(x, self.device))
+    def _turn(self) -> ContextManager[Any]:
+        return self.rng_lock if self.rng_lock is not None else contextlib.nullcontext()
+
+    def run(self, x: TensorOrTensors, recompute: bool = False) -> TensorOrTensors:
+        """The stage on ``x`` without cutting: with grad on, the output stays attached to ``x``'s graph.
+
+        ``recompute`` (with grad on): keep only the input, and run the stage again, from the same
+        random-number state, when autograd's backward reaches it (``torch.utils.checkpoint``).
+        """
+        x = _moved(x, self.device)
+        with self._turn():
+            if recompute and torch.is_grad_enabled():
+                # tensors as arguments of their own: checkpoint saves the RNG state of their CUDA devices;
+                # the backward of pipe(x) runs after the step, when no stage thread draws random numbers;
+                # no early stop: the recomputation runs the whole module, so its forward hooks fire again
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    return torch.utils.checkpoint.checkpoint(lambda *tensors: self.module(like(x, tensors)),
+                                                             *as_tuple(x), use_reentrant=False, preserve_rng_state=True)
+            return self.module(x)
 
     def forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]] = None,
                 recompute: bool = False) -> tuple[Saved, TensorOrTensors]:
@@ -175,22 +245,24 @@ class StageRunner:
 
         After the call ``self.last_saved_bytes`` holds the bytes autograd saved for backward.
         """
-        if recompute:
+        with self._turn():
+            if not recompute:
+                return self._forward(x, loss)
+            rng = save_rng(self.device)  # the state the recomputation replays
             with torch.no_grad():
-                y = self.module(_moved(x, self.device))
+                y = self._call(_moved(x, self.device))[0]
                 y = loss(y) if loss is not None else y
-            self.last_saved_bytes = sum(t.numel() * t.element_size() for t in as_tuple(x))
-            return ("recompute", x, loss), like(y, tuple(t.detach() for t in as_tuple(y)))  # type: ignore
+        self.last_saved_bytes = sum(t.numel() * t.element_size() for t in as_tuple(x))
+        return ("recompute", x, loss, rng), like(y, tuple(t.detach() for t in as_tuple(y)))  # type: ignore
+
+    def _forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]]
+                 ) -> tuple[Saved, TensorOrTensors]:
         if self.first:
             leaves, inputs = (), _moved(x, self.device)
         else:
             leaves, inputs = cut(x, self.device)
         with saved_bytes(self.module.parameters()) as counter:
-            bounds: list[tuple[Tensor, ...]] = []  # each layer's output: where W is cut per layer
-            y = inputs  # layer by layer is what nn.Sequential's forward does
-            for layer in self._layers():
-                y = layer(y)
-                bounds.append(as_tuple(y))
+            y, bounds = self._call(inputs)  # bounds: each layer's output, where W is cut per layer
             if loss is not None:
                 y = loss(y)
                 bounds[-1] = as_tuple(y)
@@ -198,16 +270,40 @@ class StageRunner:
         outputs = as_tuple(y)
         return (like(x, leaves) if leaves else (), outputs, bounds), like(y, tuple(t.detach() for t in outputs))  # type: ignore
 
+    def _call(self, inputs: TensorOrTensors) -> tuple[TensorOrTensors, list[tuple[Tensor, ...]]]:
+        """``(module(inputs), each layer's output)``: through the module's own call, so its hooks fire."""
+        layers = self._layers()
+        if layers == [self.module]:
+            y = self.module(inputs)
+            return y, [as_tuple(y)]
+        ran: list[tuple[int, tuple[Tensor, ...]]] = []  # (layer, its output) in the order they ran
+        handles = [layer.register_forward_hook(lambda _layer, _args, out, k=k: ran.append((k, as_tuple(out))))
+                   for k, layer in enumerate(layers)]  # after the user's own hooks: sees what the next layer gets
+        try:
+            y = self.module(inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if [k for k, _ in ran] != list(range(len(layers))):  # W is cut between the layers
+            raise RuntimeError(f"a stage's layers ran in the order {[k for k, _ in ran]}, not each once in order "
+                               f"(0..{len(layers) - 1}); a stage must call each of its layers once, in order (a "
+                               f"layer held twice, or an nn.Sequential with a forward of its own, cannot be cut "
+                               f"into layers)")
+        bounds = [out for _, out in ran]
+        return y, bounds
+
     def _layers(self) -> list[nn.Module]:
         """The layers W is cut between: an ``nn.Sequential``'s, else the module as one layer."""
         return list(self.module) if isinstance(self.module, nn.Sequential) else [self.module]
 
     def _redo(self, saved: Any) -> Any:
-        """The saved state of a recomputed micro-batch: its forward run again, with grad."""
-        if not isinstance(saved[0], str):  # ("recompute", input, loss) from a checkpointed forward
+        """The saved state of a recomputed micro-batch: its forward run again, with grad, from the saved
+        random-number state (the same dropout masks as the forward whose loss the step reports)."""
+        if not isinstance(saved[0], str):  # ("recompute", input, loss, rng) from a checkpointed forward
             return saved
-        with torch.enable_grad():
-            return self.forward(saved[1], saved[2])[0]
+        _, x, loss, rng = saved
+        with self._turn(), replayed_rng(self.device, rng), torch.enable_grad():
+            return self._forward(x, loss)[0]
 
     def backward(self, saved: Saved, grad: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
         """Backward of the stage [3]: the gradient of its input (None on the first stage).
