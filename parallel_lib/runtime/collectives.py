@@ -64,7 +64,7 @@ except ImportError:  # torch 2.4
     from torch.distributed._tensor.debug import comm_mode as _comm_debug  # type: ignore[no-redef]
 
 from parallel_lib.runtime.guard import install as install_guard
-from parallel_lib.runtime.guard import unwrap
+from parallel_lib.runtime.guard import StandIn, torch_ops
 
 __all__ = ["CollectiveCall", "CollectiveCounter", "count_collectives", "ring_wire_bytes"]
 
@@ -235,12 +235,8 @@ class _CollectiveMode(TorchDispatchMode):
 _P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
 
-class _Counted:
-    """A counting stand-in for ``dist.send``/``recv``/``isend``/``irecv``.
-
-    It compares equal to the function it wraps, so ``dist.P2POp(dist.isend, ...)`` built
-    while counting passes torch's check that ``op`` is ``isend`` or ``irecv``.
-    """
+class _Counted(StandIn):
+    """A counting stand-in for ``dist.send``/``recv``/``isend``/``irecv``."""
 
     def __init__(self, name: str, original: Callable[..., Any]) -> None:
         self.__name__, self.kind, self.__wrapped__ = name, _P2P[name], original
@@ -250,25 +246,14 @@ class _Counted:
         _record(self.kind, _bytes(tensor), None)
         return self.__wrapped__(*args, **kwargs)
 
-    def __eq__(self, other: object) -> bool:
-        return other is self or unwrap(other) is unwrap(self)
-
-    def __hash__(self) -> int:
-        return hash(unwrap(self))
-
 
 def _counted_batch(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
     from torch.distributed.distributed_c10d import isend
 
-    wrapped = [op.op for op in p2p_op_list]
-    for op in p2p_op_list:
-        op.op = unwrap(op.op)  # torch tells sends from receives by identity (``op.op is isend``)
-        _record("send" if op.op is isend else "recv", _bytes(op.tensor), None)
-    try:
+    with torch_ops(p2p_op_list):
+        for op in p2p_op_list:
+            _record("send" if op.op is isend else "recv", _bytes(op.tensor), None)
         return _originals["batch_isend_irecv"](p2p_op_list, *args, **kwargs)
-    finally:
-        for op, fn in zip(p2p_op_list, wrapped):
-            op.op = fn
 
 
 def _patch() -> None:

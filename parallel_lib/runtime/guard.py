@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["GUARD_ENV", "CollectiveGuardError", "collective_guard", "allow_bare_p2p", "guard_from_environment",
-           "guard_active", "check_devices", "unwrap", "install"]
+           "guard_active", "check_devices", "unwrap", "StandIn", "torch_ops", "install"]
 
 GUARD_ENV = "PARALLEL_LIB_GUARD"  # "1": every rank started by launch/run_torchrun runs under the guard
 
@@ -195,7 +195,40 @@ def unwrap(fn: Any) -> Any:
     return fn
 
 
-class _Checked:
+class StandIn:
+    """A stand-in for a ``torch.distributed`` function that compares equal to the function it wraps.
+
+    So ``dist.P2POp(dist.isend, ...)`` built while stand-ins are installed passes torch's check
+    that ``op`` is ``isend`` or ``irecv``. The guard's checking stand-ins and the counter's
+    counting ones both derive from it.
+    """
+
+    __wrapped__: Callable[..., Any]
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or unwrap(other) is unwrap(self)
+
+    def __hash__(self) -> int:
+        return hash(unwrap(self))
+
+
+@contextmanager
+def torch_ops(p2p_op_list: list) -> Iterator[None]:
+    """Give every ``P2POp`` torch's own function while torch runs the batch, the stand-ins back after.
+
+    torch tells sends from receives by identity (``op.op is isend``), which a stand-in fails.
+    """
+    wrapped = [op.op for op in p2p_op_list]
+    for op in p2p_op_list:
+        op.op = unwrap(op.op)
+    try:
+        yield
+    finally:
+        for op, fn in zip(p2p_op_list, wrapped):
+            op.op = fn
+
+
+class _Checked(StandIn):
     """A checking stand-in for a ``torch.distributed`` function.
 
     It compares equal to the function it wraps, so ``dist.P2POp(dist.isend, ...)`` passes
@@ -220,11 +253,6 @@ class _Checked:
                 check_devices(self.__name__, _tensors(list(args) + list(kwargs.values())), backend)
         return self.__wrapped__(*args, **kwargs)
 
-    def __eq__(self, other: object) -> bool:
-        return other is self or unwrap(other) is unwrap(self)
-
-    def __hash__(self) -> int:
-        return hash(unwrap(self))
 
 
 def _checked_batch(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
@@ -233,14 +261,8 @@ def _checked_batch(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
         backend = _backend(getattr(p2p_op_list[0], "group", None))
         if backend is not None:
             check_devices("batch_isend_irecv", [op.tensor for op in p2p_op_list], backend)
-    wrapped = [op.op for op in p2p_op_list]
-    for op in p2p_op_list:  # torch tells sends from receives by identity (``op.op is isend``)
-        op.op = unwrap(op.op)
-    try:
+    with torch_ops(p2p_op_list):
         return _originals["batch_isend_irecv"](p2p_op_list, *args, **kwargs)
-    finally:
-        for op, fn in zip(p2p_op_list, wrapped):
-            op.op = fn
 
 
 def install() -> None:
