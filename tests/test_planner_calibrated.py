@@ -16,8 +16,8 @@ from parallel_lib.model_parallel.memory import activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight
-from parallel_lib.planner.calibrate import (KINDS, AlphaBeta, Calibration, RankSpeed, cache_path, fit_alpha_beta, hops,
-                                           load_calibration)
+from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed, fit_alpha_beta, hops
+from parallel_lib.planner.calibration_cache import cache_path, load_calibration
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Layout, StepCost, _simulated, price, rank_parameters
 from parallel_lib.planner.model_step import solve_step_cost

@@ -4,7 +4,8 @@ dp × tp × pp layout priced from this machine's measurements (``layout``, ``sea
 with published GPU figures and published training runs beside it (``hardware``, ``published``).
 """
 
-from parallel_lib.planner.calibrate import Calibration, load_or_calibrate
+from parallel_lib.planner.calibrate import Calibration
+from parallel_lib.planner.calibration_cache import load_or_calibrate
 from parallel_lib.planner.compare import CLASSIC, CompareConfig, Measured, markdown_table, measure
 from parallel_lib.planner.strategy import (
     PART_ONE,

@@ -16,7 +16,8 @@ import sys
 from typing import Optional
 
 from parallel_lib.common import tables
-from parallel_lib.planner.calibrate import Calibration, cache_path, check_world_sizes, load_or_calibrate
+from parallel_lib.planner.calibrate import Calibration, check_world_sizes
+from parallel_lib.planner.calibration_cache import cache_path, load_or_calibrate
 
 
 def describe(calibration: Calibration) -> str:

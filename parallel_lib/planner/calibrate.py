@@ -16,27 +16,23 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
   sends, :func:`parallel_lib.runtime.collectives.ring_wire_bytes`), timed on this machine's gloo ranks;
 - bubbles come from the schedule simulator, not from here.
 
-``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine under
-``~/.cache/parallel_lib/`` (keyed by host name, torch version and threads per rank), never in the
-repository. On GPUs, :mod:`parallel_lib.planner.hardware` gives published figures instead.
+``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine
+(:mod:`parallel_lib.planner.calibration_cache`), never in the repository. On GPUs,
+:mod:`parallel_lib.planner.hardware` gives published figures instead.
 
-The cache is a file anyone may truncate, edit or replace: :func:`load_calibration` checks every
-number in it (finite, rates and bandwidths > 0, latencies and fixed costs >= 0) and names the file
-and the way out (delete it, or ``calibrate --refresh``) instead of a raw ``JSONDecodeError``,
-``KeyError`` or a ``ZeroDivisionError`` later in the planner. A measurement starts only once its
-world sizes are valid and the cache's folder is writable, so a result is never measured and lost.
+A calibration read back is checked number by number (:meth:`Calibration.from_json`: finite, rates
+and bandwidths > 0, latencies and fixed costs >= 0), so a cache someone truncated or edited is
+named instead of failing later as a ``ZeroDivisionError`` in the planner.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -50,7 +46,7 @@ from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
 
 __all__ = ["KINDS", "AlphaBeta", "RankSpeed", "Calibration", "hops", "fit_alpha_beta", "collective_worker",
-           "calibrate", "load_or_calibrate", "load_calibration", "check_world_sizes", "cache_path", "machine_key"]
+           "calibrate", "check_world_sizes", "machine_key"]
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
 SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)  # 4 KiB .. 2 MiB: latency- to bandwidth-bound
@@ -326,12 +322,6 @@ def machine_key(threads: int = 1) -> str:
     return f"{platform.node() or 'host'}-torch{torch.__version__}-t{threads}"
 
 
-def cache_path(key: Optional[str] = None) -> Path:
-    """``$PARALLEL_LIB_CACHE`` or ``~/.cache/parallel_lib``, ``planner-<key>.json``: outside the repository."""
-    root = Path(os.environ.get("PARALLEL_LIB_CACHE", Path.home() / ".cache" / "parallel_lib"))
-    return root / f"planner-{key or machine_key()}.json"
-
-
 MODELS = (("tiny", 512, 64),)  # (GPT-2 size, vocabulary, sequence length) whose step the calibration times
 
 
@@ -377,49 +367,3 @@ def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Seq
         ranks[n] = launch(collective_worker, n, SIZES, repeats, single,
                                                       threads_per_rank=1, timeout=timeout)[0]
     return Calibration(machine_key(), ranks)
-
-
-def load_calibration(path: Path) -> Calibration:
-    """The calibration cached in ``path``, checked (:meth:`Calibration.from_json`).
-
-    Raises:
-        ValueError: the file is not UTF-8, not JSON, or holds a missing key or a bad number; the message
-            names the file and says to delete it or measure again with ``calibrate --refresh``.
-    """
-    try:
-        return Calibration.from_json(Path(path).read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"the calibration cache {path} is damaged: {error}; delete it, or measure again with "
-                         "`python -m parallel_lib.planner calibrate --refresh`") from None
-
-
-def _check_writable(folder: Path) -> None:
-    """Create ``folder`` and write a probe file there: before a measurement, so its result is never lost."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise OSError(f"cannot write the calibration cache in {folder} ({error.strerror or error}); nothing was "
-                      "measured. Set PARALLEL_LIB_CACHE to a writable folder") from None
-
-
-def load_or_calibrate(path: Optional[Path] = None, refresh: bool = False, **kwargs: object) -> Calibration:
-    """The cached calibration of this machine, measured and saved first if there is none (or ``refresh``,
-    or ``world_sizes`` it lacks).
-
-    Raises:
-        ValueError: bad ``world_sizes``, or a damaged cache (:func:`load_calibration`), before measuring.
-        OSError: the cache's folder is not writable, before measuring.
-    """
-    path = path or cache_path()
-    wanted = check_world_sizes(kwargs["world_sizes"]) if "world_sizes" in kwargs else ()
-    if path.exists() and not refresh:
-        cached = load_calibration(path)
-        if all(n in cached.ranks for n in wanted):
-            return cached
-    _check_writable(path.parent)
-    calibration = calibrate(**kwargs)  # type: ignore[arg-type]
-    path.write_text(calibration.to_json())
-    return calibration
