@@ -20,14 +20,19 @@ import torch
 import torch.nn.functional as F
 
 from parallel_lib.models.hf import from_hf
-from parallel_lib.training.run import ModelBuilder, RunConfig, build_model, global_batches
+from parallel_lib.training.batches import global_batches
+from parallel_lib.training.run import ModelBuilder, RunConfig, build_model
 
 __all__ = ["reference"]
 
 
-def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model
+def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model, dp: int = 1
               ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The losses of every step and the final parameters (state-dict names) of one process."""
+    """The losses of every step and the final parameters (state-dict names) of one process.
+
+    ``dp``: the replicas of the layout it stands for (the corpus source orders each global
+    batch's rows by replica; :func:`~parallel_lib.training.batches.global_batches`).
+    """
     run.check()
     model = builder(run)
     if run.dropout:  # the one GPT-2's seeded masks, numbered by forward call (see the module docstring)
@@ -35,7 +40,7 @@ def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
     losses = []
-    for batch in global_batches(run):
+    for batch in global_batches(run, dp):
         optimizer.zero_grad(set_to_none=True)
         logits = model(batch["input_ids"])
         logits = logits if isinstance(logits, torch.Tensor) else logits.logits

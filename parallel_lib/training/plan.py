@@ -24,6 +24,7 @@ from typing import Optional
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES
 from parallel_lib.runtime.mesh import DEFAULT_ORDER, Mesh
+from parallel_lib.training.data_axis import SYNCS
 
 __all__ = ["Plan"]
 
@@ -41,6 +42,7 @@ class Plan:
     micro_batches: int = 2            # per replica and step
     recompute: bool = False           # pipeline stages keep only their input, forward again in backward
     order: str = DEFAULT_ORDER        # the mesh's axis order, fastest first
+    sync: str = "zero"                # what the dp axis runs (parallel_lib.training.data_axis.SYNCS)
 
     @property
     def mesh(self) -> Mesh:
@@ -72,6 +74,7 @@ class Plan:
             positive_int(axis, getattr(self, axis))
         check_choice("zero", self.zero, [0, 1, 2, 3])
         check_choice("schedule", self.schedule, sorted(SCHEDULES))
+        check_choice("sync", self.sync, sorted(SYNCS))
         mesh = self.mesh
         if world_size is not None and world_size != mesh.world_size:
             raise ValueError(f"dp * tp * pp must equal world_size={world_size}, got {self.dp} x {self.tp} x "

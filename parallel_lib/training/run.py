@@ -50,15 +50,15 @@ from parallel_lib.runtime.collectives import CollectiveCounter, count_collective
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.memory import engine_census
-from parallel_lib.sharding.zero import ZeroEngine
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
-from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
+from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_rows
+from parallel_lib.training.data_axis import data_parallel_axis
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.step import pipeline_step, stage_on_device
 from parallel_lib.training.tp_stage import dense_state
 
-__all__ = ["RunConfig", "TrainResult", "train", "train_many", "global_batches", "build_model", "check_layout"]
+__all__ = ["RunConfig", "TrainResult", "train", "train_many", "build_model", "check_layout"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,10 @@ class RunConfig:
     weight_decay: float = 0.01
     seed: int = 0                   # weights, batches and dropout masks
     dropout: float = 0.0            # resid, attn and embd dropout (seeded masks: parallel_lib.models.dropout)
-    padding: bool = True            # right-pad some rows (their padded tokens carry no loss weight)
+    padding: bool = True            # synthetic data: right-pad some rows (their padded tokens carry no loss weight)
+    data: str = "synthetic"         # the batch source: "synthetic" or "corpus" (parallel_lib.training.batches)
+    train_examples: int = 2048      # corpus: the first pairs of the train split
+    data_seed: int = 1234           # corpus: the shuffle (a new one per epoch)
     timeout: float = 60.0           # seconds any receive or collective may wait
     return_state: bool = True       # send the trained parameters back (dense names)
 
@@ -98,8 +101,12 @@ class RunConfig:
             ValueError: an unknown model, a size below 1, a sequence longer than the model's
                 positions, a non-positive learning rate, eps or timeout, or dropout outside [0, 1).
         """
-        for name in ("vocab_size", "seq_len", "batch_size", "steps"):
+        for name in ("vocab_size", "seq_len", "batch_size", "steps", "train_examples"):
             positive_int(name, getattr(self, name))
+        check_choice("data", self.data, DATA_SOURCES)
+        if self.data == "corpus" and self.vocab_size < 258:
+            raise ValueError(f"the corpus tokenizer needs vocab_size >= 258 (256 bytes and 2 special tokens), "
+                             f"got vocab_size={self.vocab_size}")
         check_number("dropout", self.dropout, 0.0)
         if self.dropout >= 1.0:
             raise ValueError(f"dropout must be below 1 (1 drops everything), got dropout={self.dropout}")
@@ -124,12 +131,6 @@ def build_model(run: RunConfig) -> GPT2LMHeadModel:
     """The dense model every rank and the reference start from (the run's seed)."""
     return build_gpt2(run.model, run.vocab_size, run.seed, resid_pdrop=run.dropout, attn_pdrop=run.dropout,
                       embd_pdrop=run.dropout, **run.overrides())
-
-
-def global_batches(run: RunConfig) -> list[dict[str, torch.Tensor]]:
-    """The run's global batches: right-padded synthetic rows, the same in every process."""
-    return make_batches(TPConfig(model=run.model, vocab_size=run.vocab_size, batch_size=run.batch_size,
-                                 seq_len=run.seq_len, steps=run.steps, seed=run.seed, padding=run.padding))
 
 
 @dataclass
@@ -220,8 +221,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     stage = stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
     parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-    engine = ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,  # [3]
-                        layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
+    engine = data_parallel_axis(plan, run, stage, pm)  # [3] plan.sync: ZeRO over dp by default
     runner = StageRunner(stage, device, first=stage.first)
     pipeline = pm.peers("pp")
     link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
@@ -229,9 +229,9 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
     record, clock = TrainRecord(), DeviceClock([device])
     counter, activations = CollectiveCounter(), 0
-    for k, batch in enumerate(global_batches(run)):
+    for k, batch in enumerate(global_batches(run, dp)):
         tokens = float(batch["label_token_weights"].sum())
-        mine = {k: v.chunk(dp)[d].to(device) for k, v in batch.items()}  # [4]
+        mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
         start = clock()
         with count_collectives() as counter:
             loss, saved = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp,  # [5]

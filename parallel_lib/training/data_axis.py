@@ -1,0 +1,47 @@
+"""What the dp axis does with a stage's gradients and optimizer state: ``Plan.sync`` names it.
+
+:func:`~parallel_lib.training.run.train` builds one per rank, after the tensor-parallel and
+pipeline splits ([3] of :mod:`.run`), and calls, every step::
+
+    axis.reduce_gradients()        # after the pipeline's backward: the dp mean (or its shard)
+    axis.reduced_gradient(p)       # the reduced gradient of p (the tied embedding's sum over the pipeline's ends)
+    axis.step()                    # the optimizer on what this rank owns
+
+and once at the end ``axis.remove()`` (the full parameters back in the model). ``axis.master``
+lists the tensors the optimizer updates on this rank (their elements: what the rank owns).
+
+``"zero"``: :class:`~parallel_lib.sharding.zero.ZeroEngine` at ``Plan.zero`` (chapter 06; stage
+0 is plain data parallelism, one all-reduce per bucket).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from parallel_lib.runtime.mesh import RankMesh
+from parallel_lib.sharding.zero import ZeroEngine
+
+__all__ = ["SYNCS", "data_parallel_axis"]
+
+
+def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> ZeroEngine:
+    return ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,
+                      layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
+
+
+# Plan.sync -> how the dp axis is built (plan, run, stage, rank mesh) -> the object described above
+SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], Any]] = {"zero": _zero}
+
+
+def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> Any:
+    """The dp axis's gradient reduction and optimizer for this rank's ``stage``, as ``plan.sync`` names.
+
+    Args:
+        plan: the :class:`~parallel_lib.training.plan.Plan` (``sync``, ``zero``).
+        run: the :class:`~parallel_lib.training.run.RunConfig` (the optimizer's settings).
+        stage: this rank's stage (after the tensor-parallel split), on its device.
+        pm: the built mesh (``pm.group("dp")``).
+    """
+    return SYNCS[plan.sync](plan, run, stage, pm)
