@@ -9,6 +9,8 @@ pipeline splits ([3] of :mod:`.run`), and calls, every step::
 
 and once at the end ``axis.remove()`` (the full parameters back in the model). ``axis.master``
 lists the tensors the optimizer updates on this rank (their elements: what the rank owns).
+The pipeline runtime runs the module :func:`data_parallel_axis` returns beside it: the stage
+itself, or a wrapper whose forward the sync needs (PyTorch's ``DistributedDataParallel``).
 
 ``"zero"``: :class:`~parallel_lib.sharding.zero.ZeroEngine` at ``Plan.zero`` (chapter 06; stage
 0 is plain data parallelism, one all-reduce per bucket).
@@ -26,16 +28,16 @@ from parallel_lib.sharding.zero import ZeroEngine
 __all__ = ["SYNCS", "data_parallel_axis"]
 
 
-def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> ZeroEngine:
-    return ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,
-                      layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
+def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, ZeroEngine]:
+    return stage, ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,
+                             layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
 
 
-# Plan.sync -> how the dp axis is built (plan, run, stage, rank mesh) -> the object described above
-SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], Any]] = {"zero": _zero}
+# Plan.sync -> how the dp axis is built: (plan, run, stage, rank mesh) -> (module to run, the axis above)
+SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], tuple[nn.Module, Any]]] = {"zero": _zero}
 
 
-def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> Any:
+def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, Any]:
     """The dp axis's gradient reduction and optimizer for this rank's ``stage``, as ``plan.sync`` names.
 
     Args:
@@ -43,5 +45,8 @@ def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> A
         run: the :class:`~parallel_lib.training.run.RunConfig` (the optimizer's settings).
         stage: this rank's stage (after the tensor-parallel split), on its device.
         pm: the built mesh (``pm.group("dp")``).
+
+    Returns:
+        The module the pipeline runtime runs (the stage, or a wrapper of it) and the axis.
     """
     return SYNCS[plan.sync](plan, run, stage, pm)

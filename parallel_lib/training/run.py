@@ -221,8 +221,8 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     stage = stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
     parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-    engine = data_parallel_axis(plan, run, stage, pm)  # [3] plan.sync: ZeRO over dp by default
-    runner = StageRunner(stage, device, first=stage.first)
+    module, engine = data_parallel_axis(plan, run, stage, pm)  # [3] plan.sync: ZeRO over dp by default
+    runner = StageRunner(module, device, first=stage.first)
     pipeline = pm.peers("pp")
     link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
     wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
