@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
-from parallel_lib.common.checks import check_choice, check_number, positive_int
+from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2
-from parallel_lib.common.timeline import DeviceClock
+from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
@@ -83,6 +83,7 @@ class RunConfig:
     data_seed: int = 1234           # corpus: the shuffle (a new one per epoch)
     timeout: float = 60.0           # seconds any receive or collective may wait
     return_state: bool = True       # send the trained parameters back (dense names)
+    timeline_steps: int = 0         # record the first steps' compute and communication events (TrainResult.events)
 
     def overrides(self) -> dict[str, int]:
         """``build_gpt2`` overrides of depth and width."""
@@ -103,6 +104,7 @@ class RunConfig:
         """
         for name in ("vocab_size", "seq_len", "batch_size", "steps", "train_examples"):
             positive_int(name, getattr(self, name))
+        check_int("timeline_steps", self.timeline_steps, 0)
         check_choice("data", self.data, DATA_SOURCES)
         if self.data == "corpus" and self.vocab_size < 258:
             raise ValueError(f"the corpus tokenizer needs vocab_size >= 258 (256 bytes and 2 special tokens), "
@@ -158,6 +160,7 @@ class TrainResult:
     activation_bytes: int = 0
     parameter_bytes: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)  # the first run.timeline_steps steps (lane: this rank)
 
     @property
     def collectives(self) -> dict[str, tuple[int, int]]:
@@ -228,14 +231,20 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
     record, clock = TrainRecord(), DeviceClock([device])
+    recorder, lane = TimelineRecorder(device=device), f"rank {pm.rank}"  # a GPU: CUDA events, read after the steps
     counter, activations = CollectiveCounter(), 0
     for k, batch in enumerate(global_batches(run, dp)):
         tokens = float(batch["label_token_weights"].sum())
         mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
+        traced = k < run.timeline_steps
+        if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
+            wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
+            recorder.reset()
+        timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
         start = clock()
         with count_collectives() as counter:
             loss, saved = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp,  # [5]
-                                        plan.recompute, forwards_before=k * plan.micro_batches)
+                                        plan.recompute, forwards_before=k * plan.micro_batches, record=timed)
             activations = activations if k else saved
             engine.reduce_gradients()  # [6]
             sync_sequence_parallel_grads(stage.model)
@@ -251,7 +260,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     engine.remove()  # ZeRO-3: the full parameters back in the model
     state = dense_state(stage, pp, gather_dense(stage.model)) if run.return_state else {}
     return TrainResult(pm.rank, pm.coords, plan, record, traffic, wire, held, owned, activations, parameter_bytes,
-                       state if t == 0 else {})
+                       state if t == 0 else {}, list(recorder.events))
 
 
 def _by_axis(counter: CollectiveCounter, pm: RankMesh) -> tuple[dict[str, dict[str, tuple[int, int]]],

@@ -15,7 +15,8 @@ tensor-parallel split ([2] of :mod:`.run`), and :func:`pipeline_step` once per s
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -29,10 +30,12 @@ from parallel_lib.training.tp_stage import TensorParallelStage, stage_loss
 
 __all__ = ["pipeline_step", "stage_on_device"]
 
+Record = Callable[[str, int], ContextManager[Any]]  # (event kind, micro-batch) -> a timing context
+
 
 def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, pipeline: list[int],
                   schedule: Schedule, j: int, batch: dict[str, torch.Tensor], denominator: float,
-                  recompute: bool, forwards_before: int = 0) -> tuple[float, int]:
+                  recompute: bool, forwards_before: int = 0, record: Optional[Record] = None) -> tuple[float, int]:
     """Stage j's actions of ``schedule`` for one replica batch; the gradients accumulate in the stage.
 
     Dropout: the model's masks depend on its forward-call number
@@ -51,6 +54,9 @@ def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLi
         denominator: what each micro-batch's weighted loss sum is divided by.
         recompute: keep only each stage's input, run its forward again in backward.
         forwards_before: the micro-batch forwards of the steps before this one.
+        record: ``record(kind, micro_batch)`` gives a context that times one action's compute
+            (a :class:`~parallel_lib.common.timeline.TimelineRecorder`'s ``record`` for this rank's
+            lane); None: untimed.
 
     Returns:
         The sum of the micro-batches' losses on the last stage (0.0 elsewhere), and the most bytes
@@ -66,7 +72,8 @@ def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLi
 
     def numbered(action: Action, compute: Callable[[], Any]) -> Any:  # the micro-batch's dropout masks
         stream.calls = forwards_before + action.micro_batch + 1
-        return compute()
+        with record(action.event_kind, action.micro_batch) if record else nullcontext():
+            return compute()
 
     stages = RankStages(schedule, j, {j: runner}, ids, loss=loss, recompute=lambda i: recompute, timed=numbered)
     run_actions(schedule, j, stages, ProcessLink(schedule, j, link, pipeline, spec))
