@@ -14,6 +14,9 @@ itself, or a wrapper whose forward the sync needs (PyTorch's ``DistributedDataPa
 
 ``"zero"``: :class:`~parallel_lib.sharding.zero.ZeroEngine` at ``Plan.zero`` (chapter 06; stage
 0 is plain data parallelism, one all-reduce per bucket).
+
+``"naive"``, ``"bucketed"``, ``"ring"``, ``"ddp"``, ``"none"``: chapter 01's gradient averagers, each
+replica stepping its own optimizer (:mod:`.averagers`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.zero import ZeroEngine
+from parallel_lib.training.averagers import AVERAGERS, averager_axis
 
 __all__ = ["SYNCS", "data_parallel_axis"]
 
@@ -35,6 +39,7 @@ def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Modul
 
 # Plan.sync -> how the dp axis is built: (plan, run, stage, rank mesh) -> (module to run, the axis above)
 SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], tuple[nn.Module, Any]]] = {"zero": _zero}
+SYNCS.update(dict.fromkeys(AVERAGERS, averager_axis))
 
 
 def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, Any]:

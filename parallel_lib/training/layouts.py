@@ -5,6 +5,7 @@
   DP × TP × PP grid given as three numbers (chapter 10);
 - :func:`measure_layout` is what the planner's check calls: step time, model-state bytes per
   rank and traffic per mesh axis, for one layout (:func:`summarize_layout` from results);
+- :func:`job_record` is the job's view of a run (global loss, slowest rank);
 - :func:`max_difference` compares the ranks' parameters with the one single-process
   :func:`~parallel_lib.training.one_process.reference`.
 """
@@ -17,12 +18,13 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.run import RunConfig, TrainResult, check_layout, train
 
 __all__ = ["train_layout", "train_3d", "LayoutMeasurement", "measure_layout", "summarize_layout", "max_difference",
-           "job_step_times", "split_fields"]
+           "job_step_times", "job_record", "split_fields"]
 
 
 def train_layout(plan: Plan, run: RunConfig = RunConfig(), timeout: float = 300.0,
@@ -78,6 +80,16 @@ def train_3d(dp: int, tp: int, pp: int, model: str = "tiny", steps: int = 2, tim
 def job_step_times(results: Sequence[TrainResult]) -> list[float]:
     """Seconds of each step of the job: a step lasts as long as its slowest rank."""
     return [max(times) for times in zip(*(r.record.step_times for r in results))]
+
+
+def job_record(results: Sequence[TrainResult]) -> TrainRecord:
+    """The whole job's record, the same from every rank's results: per step the global loss (the
+    replicas' last stages' shares summed), the global batch's target tokens and the slowest rank's
+    seconds (a synchronous step ends when its last rank does); its throughput is the job's.
+    """
+    last = [r for r in results if r.coords["pp"] == r.plan.pp - 1 and r.coords["tp"] == 0]
+    losses = [sum(shares) for shares in zip(*(r.record.losses for r in last))]
+    return TrainRecord.from_steps(losses, results[0].record.tokens, job_step_times(results))
 
 
 class LayoutMeasurement(NamedTuple):

@@ -1,9 +1,10 @@
-"""The one single-process reference: the dense model on the whole global batch, AdamW, no parallelism.
+"""The one single-process reference: the dense model on the whole global batch, no parallelism.
 
-Independent of every parallel code path: Hugging Face's ``GPT2LMHeadModel`` forward (causal
-attention, its own tied head), the course's weighted loss ``sum(ce · w) / sum(w)`` and
-``torch.optim.AdamW`` with the run's settings. Every layout of :func:`~parallel_lib.training.run.train`
-must reach the parameters this reaches.
+Independent of every parallel code path: Part I's plain training loop
+(:func:`parallel_lib.common.training.train`: Hugging Face's ``GPT2LMHeadModel`` forward with
+its causal attention and tied head, the course's weighted loss ``sum(ce · w) / sum(w)``, one
+optimizer step per batch) with the run's optimizer (``torch.optim.AdamW``, or SGD). Every layout
+of :func:`~parallel_lib.training.run.train` must reach the parameters this reaches.
 
 With dropout, Hugging Face's masks come from torch's global random stream, which no parallel
 run can reproduce; the reference then runs the one GPT-2 (:mod:`parallel_lib.models`, equal to
@@ -17,9 +18,10 @@ and one micro-batch: otherwise its masks are drawn for the replica's or micro-ba
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from parallel_lib.common.training import train
 from parallel_lib.models.hf import from_hf
+from parallel_lib.training.averagers import make_optimizer
 from parallel_lib.training.batches import global_batches
 from parallel_lib.training.run import ModelBuilder, RunConfig, build_model
 
@@ -37,17 +39,6 @@ def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model,
     model = builder(run)
     if run.dropout:  # the one GPT-2's seeded masks, numbered by forward call (see the module docstring)
         model = from_hf(model, run.seed)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
-    losses = []
-    for batch in global_batches(run, dp):
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(batch["input_ids"])
-        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
-        ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
-        weights = batch["label_token_weights"].flatten()
-        loss = (ce * weights).sum() / weights.sum()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = make_optimizer(run, list(model.parameters()))
+    record = train(model, optimizer, global_batches(run, dp), desc="one process", progress=False)
+    return record.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

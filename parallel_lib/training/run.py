@@ -40,7 +40,7 @@ from transformers import GPT2LMHeadModel
 
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2
-from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
+from parallel_lib.common.timeline import Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
@@ -53,7 +53,9 @@ from parallel_lib.sharding.memory import engine_census
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_rows
+from parallel_lib.training.averagers import OPTIMIZERS, check_optimizer
 from parallel_lib.training.data_axis import data_parallel_axis
+from parallel_lib.training.phases import StepPhases
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.step import pipeline_step, stage_on_device
 from parallel_lib.training.tp_stage import dense_state
@@ -84,6 +86,9 @@ class RunConfig:
     timeout: float = 60.0           # seconds any receive or collective may wait
     return_state: bool = True       # send the trained parameters back (dense names)
     timeline_steps: int = 0         # record the first steps' compute and communication events (TrainResult.events)
+    optimizer: str = "adamw"        # chapter 01's averagers (Plan.sync) may step "sgd" instead (lr only)
+    overlap: bool = True            # sync "bucketed": all-reduce each bucket from backward's gradient hooks
+    bucket_cap_mb: float = 25.0     # gradient bucket size (MB)
 
     def overrides(self) -> dict[str, int]:
         """``build_gpt2`` overrides of depth and width."""
@@ -116,6 +121,8 @@ class RunConfig:
             check_number(name, getattr(self, name), 0.0, strict=True)
         if self.seq_len > self.shape["n_positions"]:
             raise ValueError(f"seq_len must be <= n_positions={self.shape['n_positions']}, got seq_len={self.seq_len}")
+        check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, strict=True)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
 
 
 def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -> None:
@@ -127,6 +134,7 @@ def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -
     run.check()
     shape = run.shape
     plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
+    check_optimizer(plan, run)
 
 
 def build_model(run: RunConfig) -> GPT2LMHeadModel:
@@ -152,7 +160,7 @@ class TrainResult:
     rank: int
     coords: dict[str, int]
     plan: Plan
-    record: TrainRecord             # loss share on the last stage (NaN elsewhere), global tokens, seconds
+    record: TrainRecord             # loss share on the last stage (NaN elsewhere), global tokens, seconds, phases
     traffic: dict[str, dict[str, tuple[int, int]]]
     wire: dict[str, float]
     state_bytes: int                # parameters + gradients + optimizer states this rank holds (tensor census)
@@ -230,30 +238,38 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
     wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
-    record, clock = TrainRecord(), DeviceClock([device])
+    record = TrainRecord()
     recorder, lane = TimelineRecorder(device=device), f"rank {pm.rank}"  # a GPU: CUDA events, read after the steps
     counter, activations = CollectiveCounter(), 0
-    for k, batch in enumerate(global_batches(run, dp)):
-        tokens = float(batch["label_token_weights"].sum())
-        mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
-        traced = k < run.timeline_steps
-        if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
-            wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
-            recorder.reset()
-        timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
-        start = clock()
-        with count_collectives() as counter:
-            loss, saved = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp,  # [5]
-                                        plan.recompute, forwards_before=k * plan.micro_batches, record=timed)
-            activations = activations if k else saved
-            engine.reduce_gradients()  # [6]
-            sync_sequence_parallel_grads(stage.model)
-            for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends
-                wait_for(dist.all_reduce(engine.reduced_gradient(p), group=pm.group("tied"), async_op=True),
-                         run.timeout, f"{who}: tied embedding's gradient")
-            census = engine_census(engine)  # between backward and step: the most this rank holds
-            engine.step()  # [7]
-        record.append(loss / dp if stage.last else float("nan"), int(tokens), clock() - start)
+    with StepPhases(recorder) as phases:  # data, compute, sync, optimizer, gc: TrainRecord.phases
+        for k, batch in enumerate(global_batches(run, dp)):
+            traced = k < run.timeline_steps
+            if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
+                wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
+                recorder.reset()
+            if hasattr(engine, "recorder"):  # the axis's own collectives ("comm" events) on the timeline
+                engine.recorder = recorder if traced else None
+            timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
+            phases.start()
+            tokens = float(batch["label_token_weights"].sum())
+            mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
+            phases.mark()
+            with count_collectives() as counter:
+                loss, saved = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp,  # [5]
+                                            plan.recompute, forwards_before=k * plan.micro_batches, record=timed)
+                activations = activations if k else saved
+                phases.mark()
+                engine.reduce_gradients()  # [6]
+                sync_sequence_parallel_grads(stage.model)
+                for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends
+                    wait_for(dist.all_reduce(engine.reduced_gradient(p), group=pm.group("tied"), async_op=True),
+                             run.timeout, f"{who}: tied embedding's gradient")
+                phases.mark()
+                census = engine.census() if hasattr(engine, "census") else engine_census(engine)  # the most held
+                engine.step()  # [7]
+                phases.mark()
+            seconds, split = phases.read()
+            record.append(loss / dp if stage.last else float("nan"), int(tokens), seconds, split)
     traffic, wire = _by_axis(counter, pm)
     held = census["total"]
     owned = sum(t.numel() for t in engine.master)
