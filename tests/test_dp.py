@@ -187,3 +187,53 @@ def test_drift_per_module_and_the_pictures(launched):
                 render_throughput({"run": (by_sync["bucketed"], 2)}), render_partitions(10, world_size, 2 * world_size)):
         assert fig.axes
         plt.close(fig)
+
+
+TINY_RUN = ["--world-size", "1", "--batch-size", "4", "--train-examples", "40", "--vocab-size", "300",
+            "--seq-len", "32", "--sync", "naive"]
+
+
+def test_command_line_trains_saves_the_run_and_says_when_it_is_all_warm_up(capsys, tmp_path):
+    from parallel_lib.data_parallel.cli import main
+
+    assert main(TINY_RUN + ["--steps", "2", "--save", str(tmp_path / "run.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "sync=naive" in out and "ranks_identical True" in out and f"saved to        {tmp_path}" in out
+    # the summary skips 2 warm-up steps by default: no throughput to report, and it says so
+    assert "tokens_per_sec  not measured: the run has 2 steps and the first 2 are warm-up; run more than 2" in out
+    assert "nan" not in out
+    saved = torch.load(tmp_path / "run.pt")
+    assert saved["rank"] == 0 and saved["world_size"] == 1 and len(saved["losses"]) == 2
+    assert saved["config"]["sync"] == "naive" and saved["summary"]["steps"] == 2
+    checksum = sum(tensor.double().sum() for tensor in saved["state"].values())  # the tied head is not in it
+    assert "lm_head.weight" not in saved["state"]
+    assert float(checksum) == pytest.approx(saved["checksums"][0], rel=1e-9)
+
+
+def test_every_clock_read_of_a_rank_waits_for_its_own_device(monkeypatch, one_rank_group):
+    """The phases and the timeline are the rank's recorder's stamps (CUDA events on a GPU, read after
+    the step: tests/test_gpu_timeline.py); on a CPU, host clock reads. Given a logged wait for the rank's
+    device, the log shows every clock read of a step after it, and no raw read in run.py."""
+    import gc
+
+    import parallel_lib.common.timeline as timeline
+    import parallel_lib.training.phases as phases
+    import parallel_lib.training.run as run_module
+    from _timing import assert_clock_reads_follow_syncs, record_clock_reads
+
+    log = record_clock_reads(monkeypatch)
+    recorder = run_module.TimelineRecorder
+    monkeypatch.setattr(run_module, "TimelineRecorder", lambda device: recorder(
+        lambda: timeline.synchronize_devices([device]), device=device))
+    raw_reads = []  # perf_counter read outside the recorder (only the GC clock may)
+    monkeypatch.setattr(phases, "time", type("Time", (), {"perf_counter": staticmethod(
+        lambda: raw_reads.append(1) or 0.0)}))
+    gc.disable()  # the GC clock reads the host clock when a collection runs: none during this test
+    try:
+        result = train(0, 1, dp_plan(1, "none"), replace(SMALL, steps=2, timeline_steps=1))
+    finally:
+        gc.enable()
+    reads = assert_clock_reads_follow_syncs(log, ("cpu",))  # the rank's device, and only it
+    assert reads >= 5 * 2, "the five phase stamps of each step"
+    assert raw_reads == []
+    assert [e.kind for e in result.events] == ["forward", "backward"]

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_lib.data_parallel import single_process_reference
 from parallel_lib.hybrid import (
     HEAD_COPY,
     HybridConfig,
@@ -29,6 +28,7 @@ from parallel_lib.pipeline_parallel import make_schedule
 from parallel_lib.pipeline_parallel.link import StageLink, exchange_plan, find_deadlock
 from parallel_lib.planner import p2p_bytes
 from parallel_lib.runtime import launch
+from parallel_lib.training import RunConfig, global_batches, reference
 
 # SGD with a large step: unlike Adam, its update is proportional to the gradient, so a
 # wrong loss normalisation or a gradient summed instead of averaged changes the parameters
@@ -67,13 +67,15 @@ def launched() -> tuple[dict[str, list], list[str]]:
 def test_parameters_and_losses_equal_one_process_on_the_global_batches(launched, name):
     results = launched[0][name]
     config = LAYOUTS[name]
-    record, expected = single_process_reference(config.dp, config.dp_config())
+    run = RunConfig(**config.one_process_fields())
+    losses, expected = reference(run, dp=config.dp)
     differences = compare_with_reference(results, expected)
     assert set(differences) == set(expected)  # every parameter lives on some stage, the head's copy too
     assert max(differences.values()) < 1e-5, {k: v for k, v in differences.items() if v >= 1e-5}
     summary = summarize(results)
-    assert results[0].tokens == record.tokens  # the replicas' batches make up the global batch
-    assert summary["losses"] == pytest.approx(record.losses, rel=1e-5)
+    tokens = [int(b["label_token_weights"].sum()) for b in global_batches(run, config.dp)]
+    assert results[0].tokens == tokens  # the replicas' batches make up the global batch
+    assert summary["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_bytes_sent_are_what_the_planner_counts(launched):

@@ -23,9 +23,9 @@ def hybrid_grid(n_gpus: int) -> list[tuple[int, int]]:
 
 def check_hybrid(n_gpus: int, quick: bool = False) -> str:
     """Chapter 05: DP over pipelines on NCCL ranks (one GPU each); parameters vs one process on the CPU."""
-    from parallel_lib.data_parallel.dp_reference import single_process_reference
     from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid_many
     from parallel_lib.hybrid.results import compare_with_reference, summarize
+    from parallel_lib.training import RunConfig, reference
 
     # SGD: an update proportional to the gradient, so a missed or doubled sync shows (see check_dp)
     base = HybridConfig(micro_batches=4, batch_size=8 * n_gpus, steps=3, train_examples=64 * n_gpus,
@@ -37,7 +37,7 @@ def check_hybrid(n_gpus: int, quick: bool = False) -> str:
     rows = []
     for k, config in enumerate(configs):
         results = [runs[k] for runs in per_rank]
-        _, expected = single_process_reference(config.dp, config.dp_config())
+        _, expected = reference(RunConfig(**config.one_process_fields()), dp=config.dp)
         worst = max(compare_with_reference(results, expected).values())
         if worst > 1e-4:  # float sums in another order: ~1e-6
             raise CheckError(f"{config.dp} x {config.pp} {config.schedule} on {n_gpus} GPUs differs from one "

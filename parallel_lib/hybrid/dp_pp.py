@@ -44,7 +44,8 @@ names what it waited for. A training step on rank ``mesh.rank_at(dp=d, pp=j)``:
 
 One process training on the same global batches gets the same parameters:
 :func:`~parallel_lib.hybrid.results.compare_with_reference` checks it against
-``dp.single_process_reference``. The layout and its groups are the :class:`~parallel_lib.runtime.mesh.Mesh`,
+the one single-process reference, :func:`parallel_lib.training.reference` on the same corpus
+batches (``RunConfig(data="corpus", ...)``). The layout and its groups are the :class:`~parallel_lib.runtime.mesh.Mesh`,
 steps [3] and [4] in :mod:`parallel_lib.hybrid.gradients`, results in :mod:`parallel_lib.hybrid.results`.
 """
 
@@ -59,11 +60,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallel_lib.common.models import GPT2_SIZES
+from parallel_lib.common.models import GPT2_SIZES, build_gpt2
 from parallel_lib.common.timeline import DeviceClock, TimelineRecorder
 from parallel_lib.common.training import TrainRecord, weighted_cross_entropy
+from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.partition import partition_dataset
-from parallel_lib.data_parallel.dp import DPConfig, prepare_replica
+from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.hybrid.gradients import StageGradients
 from parallel_lib.hybrid.results import HEAD_COPY, HybridResult
@@ -103,12 +105,18 @@ class HybridConfig:
     timeline_step: Optional[int] = None  # record this step's forward/backward/comm events
     return_state: bool = False          # send the stage's final parameters back
 
-    def dp_config(self) -> DPConfig:
-        """The chapter 01 config that trains the same model on the same global batches."""
-        return DPConfig(sync="none", model=self.model, batch_size=self.batch_size, max_steps=self.steps,
-                        train_examples=self.train_examples, vocab_size=self.vocab_size, max_length=self.max_length,
-                        pad_to_max_length=self.pad_to_max_length, optimizer=self.optimizer, lr=self.lr,
-                        seed=self.seed, data_seed=self.data_seed)
+    def one_process_fields(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields whose one-process run, ``parallel_lib.training.reference(RunConfig(**fields),
+        dp=self.dp)``, trains on this run's global batches (the corpus, rows padded to ``max_length``).
+
+        Raises:
+            ValueError: rows not padded to ``max_length`` (the corpus source pads every row).
+        """
+        if not self.pad_to_max_length:
+            raise ValueError("the one-process run pads every row to its seq_len: use pad_to_max_length=True")
+        return dict(data="corpus", model=self.model, vocab_size=self.vocab_size, seq_len=self.max_length,
+                    batch_size=self.batch_size, steps=self.steps, train_examples=self.train_examples,
+                    data_seed=self.data_seed, seed=self.seed, optimizer=self.optimizer, lr=self.lr)
 
     @property
     def mesh(self) -> Mesh:
@@ -189,7 +197,11 @@ def _stage_of_replica(config: HybridConfig, j: int, device: torch.device
         The stage module, its copies of the tied embedding, parameter names by id (by the
         unsplit model's names), the hidden width and the collate function and pairs.
     """
-    model, _, pairs, collate = prepare_replica(config.dp_config(), torch.device("cpu"))
+    pairs = load_corpus("train", size=config.train_examples)
+    tokenizer = get_tokenizer(pairs, vocab_size=config.vocab_size)
+    model = build_gpt2(config.model, vocab_size=len(tokenizer), seed=config.seed)
+    collate = partial(collate_batch, src_key="de", tgt_key="en", tokenizer=tokenizer,
+                      model_max_length=config.max_length, pad_to_max_length=config.pad_to_max_length)
     unsplit = {id(p): name for name, p in model.named_parameters()}
     stages = gpt2_stages(model, ["cpu"] * config.pp)
     tied_ids = {id(p) for pair in stages.tied_parameters for p in pair}
