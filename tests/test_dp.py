@@ -92,7 +92,7 @@ def test_data_parallel_equals_single_process_on_the_global_batch(launched):
 def test_without_gradient_sync_replicas_drift_apart(launched):
     world_size, run, by_sync = launched
     results = by_sync["none"]
-    assert _max_difference(results[0].state, results[1].state) > 1e-3
+    assert all(_max_difference(results[0].state, r.state) > 1e-3 for r in results[1:])  # every replica its own
     synced = by_sync["bucketed"][0].state
     assert _max_difference(results[0].state, synced) > 1e-3
 

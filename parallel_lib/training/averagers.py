@@ -15,8 +15,11 @@ them to :func:`~parallel_lib.training.run.train` as the axis it drives every ste
                 the benchmark's one-rank baseline)
 
 Each replica keeps the whole stage and its own optimizer (``run.optimizer``: AdamW, or SGD,
-whose update is proportional to the gradient, so a wrong scale shows). :func:`check_averager`
-says, before any rank starts, which plans an averager cannot run (named by field).
+whose update is proportional to the gradient, so a wrong scale shows). The averagers reduce over
+the dp axis's group, so ``bucketed``, ``ddp`` and ``none`` also run beside tensor and pipeline
+parallelism; ``naive`` and ``ring`` are chapter 01/02's versions over every rank of the job.
+:func:`check_averager` says, before any rank starts, which plans an averager cannot run (named by
+field).
 """
 
 from __future__ import annotations
