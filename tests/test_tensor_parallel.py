@@ -28,7 +28,7 @@ from parallel_lib.tensor_parallel import (
 from parallel_lib.tensor_parallel.cost import shard_parameters
 from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, mlp_check
 from parallel_lib.tensor_parallel.vocab import vocab_range
-from parallel_lib.training import max_difference, reference, tp_layout, train
+from parallel_lib.training import Plan, RunConfig, max_difference, reference, tp_layout, train, train_many
 
 TOL = 1e-5
 
@@ -137,6 +137,21 @@ def test_four_way_training_and_dropout_equal_one_process():
     assert _global_losses(results) == pytest.approx(losses, rel=1e-5)
     assert losses != pytest.approx(reference(tp_layout(TPConfig(steps=2), 4)[1])[0], rel=1e-4)  # the dropout did drop
     assert max(max_difference(results, state).values()) < 3e-4
+
+
+def test_tensor_times_data_parallel_with_dropout_draws_each_replicas_own_masks():
+    """#22 item 5: every replica drew the same masks on its own rows (the --check reported 6e-3). One
+    process that runs each replica's rows (and micro-batches) with that replica's masks is the proof."""
+    run = RunConfig(dropout=0.1, steps=2, batch_size=8)
+    plans = [Plan(dp=2, tp=2, micro_batches=1, sequence_parallel=True), Plan(dp=2, tp=2, micro_batches=2)]
+    per_rank = launch(train_many, 4, [(plan, run) for plan in plans], backend="gloo", timeout=240)
+    for k, plan in enumerate(plans):
+        results = [r[k] for r in per_rank]
+        losses, state = reference(run, dp=2, micro_batches=plan.micro_batches)
+        assert _global_losses(results) == pytest.approx(losses, rel=1e-5), plan.name
+        assert max(max_difference(results, state).values()) < 3e-4, plan.name
+    same_masks = reference(run, dp=1)  # one mask over the whole batch: what a replica-blind run would match
+    assert same_masks[0] != pytest.approx(reference(run, dp=2)[0], rel=1e-4)  # the replicas' masks differ
 
 
 def test_tensor_times_data_parallel_on_four_ranks_equals_one_process():

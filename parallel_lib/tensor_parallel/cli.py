@@ -62,7 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  parameters      {first.parameter_bytes / 1e6:.3f} MB on each rank")
     print(f"  activations     {first.activation_bytes / 1e6:.3f} MB saved for backward on rank 0")
     if check:
-        losses, state = reference(tp_layout(config, dp * tp)[1])
+        losses, state = reference(tp_layout(config, dp * tp)[1], dp=dp)  # each replica its own dropout masks
         worst = max(max_difference(results, state).values())
         print(f"  one process     losses {[round(v, 4) for v in losses]}; largest parameter difference {worst:.2e}")
         if worst > 3e-4:
