@@ -17,14 +17,13 @@ micro-batch that is one forward of the whole batch per step.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 
 from parallel_lib.common.checks import positive_int
+from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import from_hf
-from parallel_lib.training.batches import Batch, global_batches, replica_rows
+from parallel_lib.training.batches import global_batches, replica_rows
 from parallel_lib.training.run import ModelBuilder, RunConfig, build_model
 
 __all__ = ["reference"]
@@ -49,33 +48,44 @@ def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model,
     run.check()
     positive_int("dp", dp)
     positive_int("micro_batches", micro_batches)
+    if run.dropout:  # the one GPT-2's seeded masks, each replica's and micro-batch's own (see the module docstring)
+        return _with_seeded_dropout(from_hf(builder(run), run.seed), run, dp, micro_batches)
     model = builder(run)
-    if run.dropout:  # the one GPT-2's seeded masks, numbered by replica and forward call (see the module docstring)
-        model = from_hf(model, run.seed)
     model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
+    losses = []
+    for batch in global_batches(run, dp):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(batch["input_ids"])
+        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        weights = batch["label_token_weights"].flatten()
+        loss = (ce * weights).sum() / weights.sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _with_seeded_dropout(model: GPT2, run: RunConfig, dp: int, micro_batches: int
+                         ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """:func:`reference` with dropout: per step, each replica's micro-batches with their own masks, one gradient."""
+    model.train()
+    stream = model.dropout_stream
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
     losses = []
     for k, batch in enumerate(global_batches(run, dp)):
         optimizer.zero_grad(set_to_none=True)
-        total = batch["label_token_weights"].sum()
-        loss = 0.0
-        for d, i, part in _forwards(batch, dp, micro_batches) if run.dropout else [(0, 0, batch)]:
-            if run.dropout:
-                model.dropout_stream.replica, model.dropout_stream.calls = d, k * micro_batches + i  # forward adds 1
-            logits = model(part["input_ids"])
-            logits = logits if isinstance(logits, torch.Tensor) else logits.logits
-            ce = F.cross_entropy(logits.flatten(0, 1), part["labels"].flatten(), reduction="none")
-            share = (ce * part["label_token_weights"].flatten()).sum() / total
-            share.backward()
-            loss += share.item()
+        total, loss = batch["label_token_weights"].sum(), 0.0
+        for d in range(dp):
+            rows = {key: torch.tensor_split(v, micro_batches) for key, v in replica_rows(batch, d, dp).items()}
+            for i in range(micro_batches):
+                stream.replica, stream.calls = d, k * micro_batches + i  # the forward counts call k·m + i + 1
+                logits = model(rows["input_ids"][i])
+                ce = F.cross_entropy(logits.flatten(0, 1), rows["labels"][i].flatten(), reduction="none")
+                share = (ce * rows["label_token_weights"][i].flatten()).sum() / total
+                share.backward()
+                loss += share.item()
         optimizer.step()
         losses.append(loss)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _forwards(batch: Batch, dp: int, micro_batches: int) -> Iterator[tuple[int, int, Batch]]:
-    """(replica, micro-batch, its rows) in the order the parallel run numbers them."""
-    for d in range(dp):
-        parts = {k: torch.tensor_split(v, micro_batches) for k, v in replica_rows(batch, d, dp).items()}
-        for i in range(micro_batches):
-            yield d, i, {k: v[i] for k, v in parts.items()}
