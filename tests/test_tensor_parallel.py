@@ -172,6 +172,18 @@ def test_a_tp_that_does_not_divide_the_world_is_refused_before_any_rank_starts()
         tp_layout(TPConfig(), 0)
 
 
+@pytest.mark.parametrize("config, match", [
+    (TPConfig(n_layer=-1), "n_layer must be an int >= 0, got n_layer=-1"),  # #22 item 10: trained no blocks
+    (TPConfig(n_embd=66), "n_embd=66 is not divisible by the tiny model's n_head=4"),
+    (TPConfig(tp=-1), "tp must be an int >= 0, got tp=-1"),
+    (TPConfig(tp=True), "tp must be an int >= 0, got tp=True"),
+    (TPConfig(model="huge"), "model must be one of"),
+])
+def test_a_model_no_rank_could_build_is_refused_by_tp_layout(config, match):
+    with pytest.raises(ValueError, match=match):
+        tp_layout(config, 2)
+
+
 def test_heads_not_divisible_and_foreign_group_are_clear_errors():
     results = launch(bad_input_check, 3, backend="gloo", timeout=120)
     assert "n_head=4 is not divisible by the tensor-parallel size tp=3" in results[1]["heads"]

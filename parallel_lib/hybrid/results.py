@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from torch import Tensor
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.timeline import Event
 from parallel_lib.common.training import TrainRecord
 
@@ -109,7 +110,7 @@ def compare_with_reference(results: Sequence[HybridResult], reference: dict[str,
     for d in sorted({r.replica for r in results}):
         state = gather_state(results, d)
         for name, tensor in state.items():
-            diff = (tensor - reference[name].cpu()).abs().max().item()
+            diff = max_abs_difference(tensor, reference[name].cpu())  # inf for a NaN: never a match
             differences[name] = max(differences.get(name, 0.0), diff)
     missing = [name for name in reference if name not in differences]
     if missing:

@@ -28,9 +28,11 @@ def tp_layout(config: TPConfig, world_size: int, return_state: bool = True) -> t
         return_state: whether the ranks send their trained parameters back.
 
     Raises:
-        ValueError: ``world_size`` below 1, or ``tp`` that does not divide it (named in the message).
+        ValueError: ``world_size`` below 1, a model :meth:`TPConfig.check` refuses, or a ``tp`` that does
+            not divide the world size (named in the message).
     """
     positive_int("world_size", world_size)
+    config.check()
     tp = config.tp or world_size
     if world_size % tp:
         raise ValueError(f"tp={tp} must divide world_size={world_size}: choose a world size that is a multiple of tp")

@@ -1,0 +1,69 @@
+"""#22 item 6: a NaN or an infinity fails every comparison in the course.
+
+``worst > tol`` is False for a NaN, and Python's ``max(0.0, nan)`` is 0.0: a run whose
+parameters had gone NaN "matched one process". Each comparison helper is given a NaN (or an
+infinity on both sides, which ``torch.testing.assert_close`` calls equal) and must report it.
+The command line's ``--check`` on a diverging run is in tests/test_tp_cli.py.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parallel_lib.common.compare import max_abs_difference
+from parallel_lib.common.training import TrainRecord
+from parallel_lib.gpu_checks._reference import CheckError
+from parallel_lib.gpu_checks._reference import max_difference as gpu_max_difference
+from parallel_lib.hybrid.results import HybridResult, compare_with_reference
+from parallel_lib.tensor_parallel.verify import diff
+from parallel_lib.training import Plan
+from parallel_lib.training import max_difference as training_max_difference
+from parallel_lib.training.run import TrainResult
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_max_abs_difference_is_the_largest_gap_and_inf_for_anything_not_finite():
+    assert max_abs_difference(torch.tensor([1.0, 2.0]), torch.tensor([1.5, 1.0])) == 1.0
+    assert max_abs_difference([4.0], [4.0]) == 0.0 and max_abs_difference(torch.empty(0), torch.empty(0)) == 0.0
+    for got, expected in [([NAN, 1.0], [1.0, 1.0]), ([1.0], [NAN]), ([INF], [INF]), ([-INF, 0.0], [-INF, 0.0])]:
+        assert max_abs_difference(got, expected) == math.inf, (got, expected)
+    with pytest.raises(ValueError, match=r"cannot compare a \(2,\) result with a \(3,\) reference"):
+        max_abs_difference(torch.zeros(2), torch.zeros(3))
+
+
+def _rank(state: dict[str, torch.Tensor]) -> TrainResult:
+    return TrainResult(0, {"dp": 0, "tp": 0, "pp": 0}, Plan(), TrainRecord(), {}, {}, 0, 0, state=state)
+
+
+def test_training_max_difference_reports_a_nan_parameter_as_infinite():
+    reference = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    results = [_rank({"w": torch.zeros(3), "b": torch.zeros(2)}), _rank({"w": torch.tensor([0.0, NAN, 0.0]),
+                                                                         "b": torch.zeros(2)})]
+    assert training_max_difference(results, reference) == {"w": math.inf, "b": 0.0}  # was {"w": 0.0}
+
+
+def test_tensor_parallel_exactness_checks_report_nan_as_infinite():
+    assert diff(torch.tensor([1.0, NAN]), torch.tensor([1.0, 2.0])) == math.inf  # was nan: nan < 1e-5 is False,
+    assert diff(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == 0.5      # but a notebook printed "nan"
+
+
+def test_gpu_checks_refuse_infinities_that_assert_close_calls_equal():
+    expected = (torch.tensor(INF), {"w": torch.ones(2)})
+    with pytest.raises(CheckError, match="infinite here and in the reference"):
+        gpu_max_difference(expected, (torch.tensor(INF), {"w": torch.ones(2)}), "2 devices")
+    with pytest.raises(CheckError, match="does not match the reference"):
+        gpu_max_difference(expected, (torch.tensor(NAN), {"w": torch.ones(2)}), "2 devices")
+    assert gpu_max_difference((torch.tensor(1.0), {"w": torch.ones(2)}), (torch.tensor(1.0), {"w": torch.ones(2)}),
+                              "2 devices") == 0.0
+
+
+def test_hybrid_comparison_reports_a_nan_parameter_as_infinite():
+    config = SimpleNamespace(pp=1)
+    results = [HybridResult(d, d, 0, config, TrainRecord(), 0, 0, 0, 0, 0, 0,
+                            state={"w": torch.tensor([0.0, NAN if d else 0.0])}) for d in (0, 1)]
+    assert compare_with_reference(results, {"w": torch.zeros(2)}) == {"w": math.inf}  # was 0.0
