@@ -67,3 +67,38 @@ def test_hybrid_comparison_reports_a_nan_parameter_as_infinite():
     results = [HybridResult(d, d, 0, config, TrainRecord(), 0, 0, 0, 0, 0, 0,
                             state={"w": torch.tensor([0.0, NAN if d else 0.0])}) for d in (0, 1)]
     assert compare_with_reference(results, {"w": torch.zeros(2)}) == {"w": math.inf}  # was 0.0
+
+
+def _every_exercise():
+    from parallel_lib.exercises import EXERCISES
+
+    return [item for items in EXERCISES.values() for item in items]
+
+
+def _nan_in_place_of_numbers(value):
+    if isinstance(value, bool) or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return NAN
+    if isinstance(value, (list, tuple)):
+        return type(value)(_nan_in_place_of_numbers(v) for v in value)
+    return {k: _nan_in_place_of_numbers(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+@pytest.mark.parametrize("item", [i for i in _every_exercise() if not callable(i.solution)
+                                  and _nan_in_place_of_numbers(i.solution) != i.solution], ids=lambda i: i.name)
+def test_an_exercise_answered_with_nan_fails_with_a_message_that_says_why(item):
+    result = item.check(_nan_in_place_of_numbers(item.solution))
+    assert not result.passed and "nan" in result.message and "cannot convert" not in result.message, result.message
+
+
+@pytest.mark.parametrize("item", [i for i in _every_exercise() if callable(i.solution)
+                                  and i.name not in ("average_token_gradients", "bucketed_allreduce")],
+                         ids=lambda i: i.name)
+def test_an_exercise_function_returning_nan_fails(item):
+    import inspect
+
+    parameters = ", ".join(inspect.signature(item.solution).parameters)
+    namespace: dict = {}
+    exec(f"def {item.answer_name}({parameters}):\n    return float('nan')\n", namespace)  # no ranks are started:
+    assert not item.check(namespace[item.answer_name]).passed  # the checkers fail NaN before any launch
