@@ -16,11 +16,12 @@ import torch
 
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.training import TrainRecord
+from parallel_lib.data_parallel.ring_cost import allreduce_cost
 from parallel_lib.gpu_checks._reference import CheckError
 from parallel_lib.gpu_checks._reference import max_difference as gpu_max_difference
 from parallel_lib.hybrid.results import HybridResult, compare_with_reference
 from parallel_lib.tensor_parallel.verify import diff
-from parallel_lib.training import Plan
+from parallel_lib.training import Plan, train_3d
 from parallel_lib.training import max_difference as training_max_difference
 from parallel_lib.training.run import TrainResult
 
@@ -102,3 +103,13 @@ def test_an_exercise_function_returning_nan_fails(item):
     namespace: dict = {}
     exec(f"def {item.answer_name}({parameters}):\n    return float('nan')\n", namespace)  # no ranks are started:
     assert not item.check(namespace[item.answer_name]).passed  # the checkers fail NaN before any launch
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: train_3d(1, 1, 1, lr=NAN), "lr must be finite, got lr=nan"),  # #22 item 10: before any rank starts
+    (lambda: allreduce_cost(1e6, 2, NAN, 0.0), "bandwidth must be finite"),  # was a NaN cost
+    (lambda: allreduce_cost(NAN, 2, 1e9, 0.0), "nbytes must be finite"),
+])
+def test_a_nan_setting_is_refused_before_it_can_make_a_nan_result(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
