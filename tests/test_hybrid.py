@@ -168,6 +168,13 @@ def test_max_difference_needs_returned_parameters(launched, expected):
         max_difference([r for r in results if r.coords["pp"] == 0], state)
 
 
+def test_the_job_record_needs_every_last_stage_rank(launched):
+    results = launched[0]["2x2 1f1b"]
+    assert job_record(results).step_times == [max(r.record.step_times[k] for r in results) for k in range(2)]
+    with pytest.raises(ValueError, match="needs every rank's result: got 1 of the 2 last-stage ranks"):
+        job_record([r for r in results if r.rank != 3])
+
+
 def test_train_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialised process group"):
         train(0, 4, BASE, RUN)
