@@ -146,6 +146,8 @@ def test_each_data_parallel_replica_draws_its_own_masks_and_replica_0_the_ones_b
         DropoutStream(0, replica=-1)
     with pytest.raises(ValueError, match="dropout_replica must be an int >= 0"):
         tensor_parallelize(model, dropout_replica=True)
+    with pytest.raises(ValueError, match=r"seed must be an int, got seed=2.7 \(float\)"):  # dropped as seed 2
+        DropoutStream(2.7)
 
 
 def test_dropout_is_seeded_by_call_and_off_in_eval():

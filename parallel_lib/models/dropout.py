@@ -42,11 +42,11 @@ class DropoutStream:
         replica: the data-parallel replica this model trains in (0: the only one).
 
     Raises:
-        ValueError: ``replica`` is not an int >= 0.
+        ValueError: ``seed`` is not an int (2.7 would have dropped as 2), or ``replica`` not an int >= 0.
     """
 
     def __init__(self, seed: int = 0, replica: int = 0) -> None:
-        self.seed, self.calls = int(seed), 0
+        self.seed, self.calls = check_int("seed", seed), 0
         self.replica = check_int("replica", replica, minimum=0)
 
     def start_forward(self) -> None:

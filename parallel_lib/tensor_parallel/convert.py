@@ -40,9 +40,12 @@ def tensor_parallelize(model: Any, group: Any = None, sequence_parallel: bool = 
             ``torch.distributed`` initialised, one rank holding everything).
         sequence_parallel, naive_qkv, vocab_parallel: see :func:`.parallelize.parallelize_tp`.
         dropout_seed: seed of the dropout masks (:mod:`parallel_lib.models.dropout`).
+        dropout_replica: the data-parallel replica this shard trains in; each replica draws its own
+            masks (0: the masks one process draws).
 
     Raises:
-        TypeError: ``model`` is neither. ValueError: see :func:`.parallelize.check_tp_split`.
+        TypeError: ``model`` is neither. ValueError: see :func:`.parallelize.check_tp_split`;
+        ``dropout_seed`` not an int, or ``dropout_replica`` not an int >= 0.
     """
     if isinstance(model, GPT2LMHeadModel):
         dense = from_hf(model, dropout_seed)
@@ -54,7 +57,7 @@ def tensor_parallelize(model: Any, group: Any = None, sequence_parallel: bool = 
     else:
         raise TypeError(f"model must be a Hugging Face GPT2LMHeadModel (e.g. build_gpt2('tiny')) or the one GPT2 "
                         f"(parallel_lib.models), got {type(model).__name__}")
-    dense.dropout_stream.seed = int(dropout_seed)
+    dense.dropout_stream.seed = check_int("dropout_seed", dropout_seed)
     dense.dropout_stream.replica = check_int("dropout_replica", dropout_replica, minimum=0)
     return parallelize_tp(dense, group, sequence_parallel, vocab_parallel, naive_qkv)
 
