@@ -210,7 +210,7 @@ def test_a_script_launching_outside_the_main_guard_is_named_before_any_rank_star
     assert "exited with code 1" not in done.stderr and "bootstrapping" not in done.stderr
 
 
-def _line_seen_by(source: str, path: Path, monkeypatch, name: str = "__main__"):
+def _line_seen_by(source: str, path: Path, monkeypatch, name: str = "__main__", spec: str = ""):
     """Run ``source`` as the script ``path`` (this process's ``__main__``, named ``name``) and return what
     ``unguarded_line`` sees from inside each of its ``launch_here()`` calls."""
     from parallel_lib.runtime.main_guard import unguarded_line
@@ -218,6 +218,7 @@ def _line_seen_by(source: str, path: Path, monkeypatch, name: str = "__main__"):
     path.write_text(source)
     main = types.ModuleType(name)
     main.__file__ = str(path)
+    main.__spec__ = types.SimpleNamespace(name=spec) if spec else None  # python -m spec
     monkeypatch.setitem(sys.modules, "__main__", main)
     seen = []
     vars(main)["launch_here"] = lambda: seen.append(unguarded_line(sys._getframe(1)))
@@ -236,6 +237,14 @@ def test_the_main_guard_is_found_around_the_line_that_leads_to_launch(source, na
                                                                        monkeypatch):
     path = tmp_path / "script.py"
     seen = _line_seen_by(source, path, monkeypatch, name)
+    assert seen == [None if unguarded is None else (str(path.resolve()), unguarded)]
+
+
+@pytest.mark.parametrize("spec, unguarded", [("package.__main__", None), ("package.module", 1)])
+def test_python_m_is_checked_as_multiprocessing_runs_it_again(spec, unguarded, tmp_path, monkeypatch):
+    """A package's __main__.py (python -m parallel_lib.tensor_parallel) is never run again in a rank."""
+    path = tmp_path / "script.py"
+    seen = _line_seen_by("launch_here()\n", path, monkeypatch, spec=spec)
     assert seen == [None if unguarded is None else (str(path.resolve()), unguarded)]
 
 

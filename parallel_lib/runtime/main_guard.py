@@ -6,8 +6,9 @@ A ``launch`` at the script's top level (or in a function that the top level call
 again inside each rank, which multiprocessing refuses while the rank is still starting: every
 rank exits with code 1 before it joins the group, and all the caller could say was "a crash
 outside Python". :func:`check_main_guard` finds the script line that led to ``launch`` and
-refuses it, naming the line, when that line is not under the guard. Notebooks, ``python -c``
-and interactive sessions have no script file and are not affected.
+refuses it, naming the line, when that line is not under the guard. Notebooks, ``python -c``,
+interactive sessions and a package's ``__main__.py`` (``python -m package``), which
+multiprocessing never runs again, are not affected.
 """
 
 from __future__ import annotations
@@ -30,16 +31,28 @@ def _is_main_test(test: ast.expr) -> bool:
             and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
 
 
+def _rerun_in_ranks(main: object, path: str) -> bool:
+    """Whether a rank runs this ``__main__`` again, by multiprocessing's own rule (``spawn.get_preparation_data``).
+
+    A package's ``__main__.py`` (``python -m package``) is never run again; a module run with
+    ``python -m package.module``, or a script, is.
+    """
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return name != "__main__" and not name.endswith(".__main__")
+    return os.path.splitext(os.path.basename(path))[0] != "ipython"
+
+
 def unguarded_line(frame: Optional[FrameType]) -> Optional[tuple[str, int]]:
     """``(script, line)`` of the main script's top-level line on ``frame``'s stack when no guard encloses it.
 
-    None when ``__main__`` has no script file (a notebook, ``python -c``), the script's top level is
-    not on the stack, its source cannot be read, or the line is in the body of an
-    ``if __name__ == "__main__":``.
+    None when ``__main__`` has no script file (a notebook, ``python -c``) or is one that ranks do not
+    run again (a package's ``__main__.py``), the script's top level is not on the stack, its source
+    cannot be read, or the line is in the body of an ``if __name__ == "__main__":``.
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if not path:
+    if not path or not _rerun_in_ranks(main, path):
         return None
     script = os.path.realpath(path)
     while frame is not None:
