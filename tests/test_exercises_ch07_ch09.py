@@ -92,6 +92,29 @@ def test_tp_operators_without_autograd_is_named():
     assert not result.passed and "case 'f alone'" in result.message and "torch.autograd.Function" in result.message
 
 
+def test_tp_operators_with_classes_outside_the_function_say_what_travels_to_the_ranks():
+    fn = notebook_function("""
+        import torch
+        import torch.distributed as dist
+
+        class Copy(torch.autograd.Function):   # right, but a notebook class cannot travel to the ranks
+            @staticmethod
+            def forward(ctx, x):
+                return x
+            @staticmethod
+            def backward(ctx, grad):
+                grad = grad.clone()
+                dist.all_reduce(grad)
+                return grad
+
+        def tp_operators():
+            return Copy.apply, Copy.apply
+    """)
+    result = exercises.check_tp_operators(fn)
+    assert not result.passed and "NameError" in result.message
+    assert "define everything inside it" in result.message, result.message
+
+
 # ----------------------------------------------------------------------------- chapter 07: vocabulary-parallel loss
 
 _LOSS = '''
