@@ -8,7 +8,7 @@ their ranks exactly as they would from a kernel. Each test asserts the mistake's
 import pytest
 
 from parallel_lib import exercises
-from parallel_lib.exercises import EXERCISES, exercise
+from parallel_lib.exercises import EXERCISES
 from tests.test_exercises import notebook_function
 
 # ----------------------------------------------------------------------------- chapter 07: f and g
@@ -346,3 +346,27 @@ def test_hidden_solutions_leave_the_chapter_07_and_09_checkers_running(monkeypat
     assert fresh["ch09"].check_gqa_decode_step(_decode()).passed
     assert fresh["ch07"].check_vocab_cross_entropy(_loss()).passed
     assert fresh["ch07"].check_tp_operators(_operators()).passed
+
+
+@pytest.mark.parametrize("chapter", ["07", "09"])
+def test_grade_notebook_scores_the_stubs_zero_and_the_reference_answers_full(chapter, tmp_path):
+    import glob
+    import inspect
+    import textwrap
+
+    import nbformat
+
+    from parallel_lib.exercises import grade_notebook
+    path = glob.glob(f"notebooks/{chapter}_*.ipynb")[0]
+    assert [r.passed for r in grade_notebook(path)] == [False] * len(EXERCISES[chapter])
+    nb = nbformat.read(path, as_version=4)
+    for item in EXERCISES[chapter]:  # the student fills each stub cell with the reference answer
+        cell = next(c for c in nb.cells if c.cell_type == "code" and c.source == item.stub.rstrip("\n"))
+        if callable(item.solution):
+            cell.source = "import torch\n" + textwrap.dedent(inspect.getsource(item.solution))
+        else:
+            cell.source = f"{item.answer_name} = {item.solution!r}"
+    filled = tmp_path / f"{chapter}_filled.ipynb"
+    nbformat.write(nb, filled)
+    grades = grade_notebook(filled)
+    assert all(r.passed for r in grades), grades

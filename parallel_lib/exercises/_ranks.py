@@ -18,7 +18,7 @@ A worker raises ``RuntimeError(f"case {label!r}: {error}")`` so that the failing
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 from parallel_lib.exercises._core import CheckResult, failed
 from parallel_lib.exercises._shipping import ShippedFunction, ship

@@ -121,8 +121,9 @@ EXERCISES = [
              "columns of the weight; the checker runs your function on 2 and 4 thread-ranks."),
     Exercise("tp_operators", check_tp_operators, OPERATORS_STUB, solution("tp_operators"),
              "Write Megatron's `f` and `g` yourself, as autograd functions with `torch.distributed` (not the "
-             "library's `regions`). The checker runs each one alone on 2 gloo ranks, then a column→row MLP with `f` before and "
-             "`g` after, and compares the output, the input gradient and every weight gradient with the dense MLP."),
+             "library's `regions`). The checker runs each one alone on 2 gloo ranks, then a column→row MLP with "
+             "`f` before and `g` after, and compares the output, the input gradient and every weight gradient "
+             "with the dense MLP."),
     Exercise("vocab_cross_entropy", check_vocab_cross_entropy, VOCAB_LOSS_STUB, solution("vocab_cross_entropy"),
              "Write the vocabulary-parallel cross-entropy of section 4 from the maximum, the sum of exponentials "
              "and the target's logit. The checker runs it on 2 gloo ranks against `F.cross_entropy` on the "

@@ -69,7 +69,8 @@ def _dense_mlp() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
 def _shards(mlp: nn.Sequential, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """This rank's column slice of the first layer and row slice of the second (the bias of the second whole)."""
     fc1, fc2 = mlp[0], mlp[2]
-    return {"fc1.weight": fc1.weight.detach().chunk(world_size, 0)[rank], "fc1.bias": fc1.bias.detach().chunk(world_size)[rank],
+    return {"fc1.weight": fc1.weight.detach().chunk(world_size, 0)[rank],
+            "fc1.bias": fc1.bias.detach().chunk(world_size)[rank],
             "fc2.weight": fc2.weight.detach().chunk(world_size, 1)[rank], "fc2.bias": fc2.bias.detach()}
 
 
@@ -149,8 +150,8 @@ def _operator_problem(results: list[dict]) -> Optional[tuple[str, str, str]]:
     xs = [_probe_input(r) for r in range(_WORLD)]
     seeds = [_probe_gradient(r) for r in range(_WORLD)]
     for rank, result in enumerate(results):
-        kinds = {name: (_kind(result["probes"][name][0], xs[rank], xs), _kind(result["probes"][name][1], seeds[rank], seeds))
-                 for name in ("f", "g")}
+        kinds = {name: (_kind(result["probes"][name][0], xs[rank], xs),
+                        _kind(result["probes"][name][1], seeds[rank], seeds)) for name in ("f", "g")}
         if kinds == {"f": _EXPECTED["g"], "g": _EXPECTED["f"]}:
             return ("f and g alone", "f and g are swapped: f sums in the forward pass and g in the backward pass",
                     "f's input is the same on every rank, g's input is a different partial result on each rank: "

@@ -135,7 +135,6 @@ def _output_mistake(case: dict[str, Any], got: torch.Tensor) -> tuple[str, str]:
     length, kv_heads, heads = case["length"], case["kv_heads"], case["heads"]
     k, v = case["after_k"], case["after_v"]
     hidden = case["x"].shape[1]
-    head_dim = k.shape[-1]
     mistakes = [
         (dict(slots=slice(0, length + 1), tiled=True), "query heads were paired with the wrong KV heads (the KV "
          "heads tiled, not grouped)", "with 4 query heads and 2 KV heads, which KV head do query heads 0 and 1 "

@@ -260,7 +260,6 @@ def tp_operators():
 
 
 def vocab_cross_entropy(logits_mine, target, vocab_start):
-    import torch
     import torch.distributed as dist
     z = logits_mine.float()  # exp and sums in float32: bf16/fp16 keep 8 or 11 bits
     counted = target != -100
@@ -292,7 +291,7 @@ def gqa_decode_step(x, wq, wk, wv, wo, k_cache, v_cache, length):
     v_cache[:, :, length] = (x @ wv.T).view(batch, n_kv, head_dim)
     k = k_cache[:, :, :length + 1].repeat_interleave(n_heads // n_kv, dim=1)  # head h reads KV head h // group
     v = v_cache[:, :, :length + 1].repeat_interleave(n_heads // n_kv, dim=1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)  # (batch, heads, 1, length + 1)
+    scores = q @ k.transpose(-1, -2) * head_dim ** -0.5  # (batch, heads, 1, length + 1)
     out = scores.softmax(dim=-1) @ v                        # (batch, heads, 1, head_dim)
     return out.reshape(batch, n_heads * head_dim) @ wo.T
 
