@@ -157,8 +157,8 @@ def _output_mistake(case: dict[str, Any], got: torch.Tensor) -> tuple[str, str]:
             return what, hint
     worst = float((got - case["expected"]).abs().max())
     return (f"the output differs from Hugging Face's LlamaAttention by up to {worst:.3g}",
-            "q from x, its keys and values written, then each query head attends over its KV head's slots "
-            "0 .. length, scaled, softmax, and the heads through wo")
+            "compare each step with section 2's code: which slots a query may read, which KV head each query "
+            "head reads, the scale of the scores, and the output projection")
 
 
 def _cache_mistake(case: dict[str, Any], name: str, before: torch.Tensor, got: torch.Tensor,
