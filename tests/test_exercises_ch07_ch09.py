@@ -370,3 +370,40 @@ def test_grade_notebook_scores_the_stubs_zero_and_the_reference_answers_full(cha
     nbformat.write(nb, filled)
     grades = grade_notebook(filled)
     assert all(r.passed for r in grades), grades
+
+
+def test_hide_solutions_command_in_a_copy_of_the_course_leaves_checkers_that_still_check(tmp_path):
+    """The real command on a copy of the package: solutions.py gone, chapters 07 and 09 still graded."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "parallel_lib", tmp_path / "parallel_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    hide = subprocess.run([sys.executable, "-m", "parallel_lib.exercises", "hide-solutions"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert hide.returncode == 0 and "removed" in hide.stdout, hide.stderr
+    assert not (tmp_path / "parallel_lib" / "exercises" / "solutions.py").exists()
+    script = """
+import torch
+from parallel_lib.exercises import EXERCISES, check_cache_step
+from parallel_lib.exercises._core import HIDDEN
+try:
+    from parallel_lib.exercises import solutions
+    print("importable")
+except ImportError:
+    print("not importable")
+print(all(item.solution is HIDDEN for chapter in ("07", "09") for item in EXERCISES[chapter]))
+def cache_step(k_cache, v_cache, k_new, v_new, lengths):
+    rows = torch.arange(k_cache.shape[0])
+    k_cache[rows, :, lengths] = k_new[:, :, 0]
+    v_cache[rows, :, lengths] = v_new[:, :, 0]
+    upto = int(lengths.max()) + 1
+    return k_cache[:, :, :upto], v_cache[:, :, :upto], torch.arange(upto)[None, :] <= lengths[:, None]
+print(check_cache_step(cache_step).passed)
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.stdout.split() == ["not", "importable", "True", "True"], run.stdout + run.stderr

@@ -1,6 +1,6 @@
 """Run a student's notebook function on real gloo ranks and turn every way it can fail into a message.
 
-Part II's coding exercises (chapters 07 and 09 onwards) check distributed code where it runs:
+Part II's coding exercises that write distributed code (chapter 07's f, g and loss) check it where it runs:
 the checker ships the student's cell to ``world_size`` gloo ranks (``_shipping``), each rank
 runs a worker of the checker's that calls it on every case and returns what it observed, and
 the checker compares in the notebook's process. What can go wrong before there is anything to
