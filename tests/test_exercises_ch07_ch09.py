@@ -9,7 +9,7 @@ import pytest
 
 from parallel_lib import exercises
 from parallel_lib.exercises import EXERCISES
-from tests.test_exercises import notebook_function
+from test_exercises import notebook_function  # the same module pytest collects: one counter of cell names
 
 # ----------------------------------------------------------------------------- chapter 07: f and g
 

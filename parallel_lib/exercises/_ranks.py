@@ -1,7 +1,7 @@
 """Run a student's notebook function on real gloo ranks and turn every way it can fail into a message.
 
-Part II's coding exercises that write distributed code (chapter 07's f, g and loss) check it where it runs:
-the checker ships the student's cell to ``world_size`` gloo ranks (``_shipping``), each rank
+The exercises that write distributed code (chapter 02's averaging and bucketing, 07's f, g and loss)
+check it where it runs: the checker ships the student's cell to ``world_size`` gloo ranks (``_shipping``), each rank
 runs a worker of the checker's that calls it on every case and returns what it observed, and
 the checker compares in the notebook's process. What can go wrong before there is anything to
 compare is the same for every such checker, so it is said here once:
@@ -51,7 +51,7 @@ def uses_the_library(shipped: ShippedFunction) -> bool:
 
 def run_on_ranks(exercise: str, fn: Callable, worker: Callable[..., Any], world_size: int, *args: Any,
                  timeout: float = 30.0, crash_hint: Callable[[str], str] = lambda message: "",
-                 allow_library: bool = False) -> Union[list[Any], CheckResult]:
+                 same_calls: str = SAME_CALLS, allow_library: bool = False) -> Union[list[Any], CheckResult]:
     """``launch(worker, world_size, ship(fn), *args)`` on gloo ranks: every rank's result, or the failure.
 
     Args:
@@ -60,6 +60,7 @@ def run_on_ranks(exercise: str, fn: Callable, worker: Callable[..., Any], world_
         worker: ``worker(rank, world_size, shipped, *args)``, defined in an importable module.
         timeout: seconds for the run once the ranks have started (and each collective's limit).
         crash_hint: turns the last line of a rank's traceback into a hint ("" for none).
+        same_calls: the hint when ranks wait for each other (a timeout, or a rank failing after others returned).
         allow_library: accept a function that calls ``parallel_lib`` (the reference answers do not).
 
     Returns:
@@ -77,11 +78,11 @@ def run_on_ranks(exercise: str, fn: Callable, worker: Callable[..., Any], world_
     except LaunchTimeoutError as error:
         if error.phase == "start-up":  # the machine is busy: not the student's mistake
             return failed(exercise, None, str(error).splitlines()[0], "run the check again when the machine is quieter")
-        return failed(exercise, None, f"the {world_size} ranks did not finish within {timeout:g} s", SAME_CALLS)
+        return failed(exercise, None, f"the {world_size} ranks did not finish within {timeout:g} s", same_calls)
     except RankError as error:
         last = error.traceback_text.strip().splitlines()[-1] if error.traceback_text else str(error)
         match = _CASE.fullmatch(last)
         case, crash = match.groups() if match else (None, last)
-        hint = SAME_CALLS if error.returned else crash_hint(crash)
+        hint = same_calls if error.returned else crash_hint(crash)
         return failed(exercise, case, f"rank {error.ranks[0]} raised {crash}", hint)
 
