@@ -78,7 +78,9 @@ def _nan_in_place_of_numbers(value):
 
 
 @pytest.mark.parametrize("item", [i for i in _every_exercise() if not callable(i.solution)
-                                  and _nan_in_place_of_numbers(i.solution) != i.solution], ids=lambda i: i.name)
+                                  and _nan_in_place_of_numbers(i.solution) != i.solution
+                                  and i.name != "all_reduce_prediction"],  # its checker launches ranks: 17 s
+                         ids=lambda i: i.name)
 def test_an_exercise_answered_with_nan_fails_with_a_message_that_says_why(item):
     result = item.check(_nan_in_place_of_numbers(item.solution))
     assert not result.passed and "nan" in result.message and "cannot convert" not in result.message, result.message
