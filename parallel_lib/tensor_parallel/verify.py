@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.models.attention import allowed_keys
 from parallel_lib.runtime.collectives import count_collectives
@@ -27,8 +28,8 @@ __all__ = ["mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "many", 
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference of two tensors."""
-    return float((a.detach() - b.detach()).abs().max())
+    """Largest absolute difference of two tensors (``inf`` when either holds a NaN or an infinity)."""
+    return max_abs_difference(a, b)
 
 
 def mlp_check(rank: int, world_size: int, sequence_parallel: bool = False, hidden: int = 16,
@@ -91,7 +92,7 @@ def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = F
     grads = gather_dense(model)
     keep = mask.bool()
     grad_diff = max(diff(g, p.grad) for (name, g), p in zip(grads.named_parameters(), dense.parameters()))
-    return dict(logits=diff(gathered_logits[keep], logits[keep]), loss=abs(float(my_loss.detach()) - float(loss.detach())),
+    return dict(logits=diff(gathered_logits[keep], logits[keep]), loss=diff(my_loss, loss),
                 grads=grad_diff, forward=forward_calls, step=counter.by_kind())
 
 
