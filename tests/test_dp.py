@@ -118,12 +118,14 @@ def test_timeline_records_bucket_all_reduces_during_backward(launched):
         lane = f"rank {result.rank}"
         kinds = [(e.lane, e.kind) for e in result.events]
         assert kinds[:2] == [(lane, "forward"), (lane, "backward")]
-        comm = [e for e in result.events if e.kind == "comm"]
+        comm = [e for e in result.events if e.lane == f"{lane} comm"]  # the buckets (the step's "dp" wait: on lane)
         backward = result.events[1]
-        assert len(comm) > 1 and {e.lane for e in comm} == {f"{lane} comm"}
+        assert len(comm) > 1 and {e.kind for e in comm} == {"comm"}
         assert [e.label for e in comm] == [f"b{i}" for i in range(len(comm))]
         assert min(e.start for e in comm) < backward.end  # the first bucket left before backward ended
-        assert all(e.micro_batch == 0 for e in result.events)  # only the first step
+        # only the first step: its forward, backward and buckets, and one wait for the dp mean (no micro-batch)
+        assert all(e.micro_batch == 0 for e in result.events if e.lane != lane or e.kind != "comm")
+        assert [e.label for e in result.events if e.lane == lane and e.kind == "comm"] == ["dp"]
 
 
 @pytest.mark.parametrize("plan, run, match", [

@@ -70,13 +70,8 @@ class AveragingAxis:
         self.model, self.average, self.optimizer, self.buckets = stage, average, optimizer, buckets
         self.master = [p for p in stage.parameters() if p.requires_grad]  # what this rank's optimizer updates
 
-    @property
-    def recorder(self) -> Optional[TimelineRecorder]:
-        """Where the buckets' all-reduces are recorded as "comm" events (None: nowhere)."""
-        return self.buckets.recorder if self.buckets is not None else None
-
-    @recorder.setter
-    def recorder(self, recorder: Optional[TimelineRecorder]) -> None:
+    def trace(self, recorder: Optional[TimelineRecorder]) -> None:
+        """Record the buckets' all-reduces of the coming steps as "comm" events on ``recorder`` (None: stop)."""
         if self.buckets is not None:
             self.buckets.recorder = recorder
 

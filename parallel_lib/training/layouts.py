@@ -5,7 +5,7 @@
   DP × TP × PP grid given as three numbers (chapter 10);
 - :func:`measure_layout` is what the planner's check calls: step time, model-state bytes per
   rank and traffic per mesh axis, for one layout (:func:`summarize_layout` from results);
-- :func:`job_record` is the job's view of a run (global loss, slowest rank);
+- :func:`job_record` is the job's loss, tokens and step times as one process would record them;
 - :func:`max_difference` compares the ranks' parameters with the one single-process
   :func:`~parallel_lib.training.one_process.reference`.
 """
@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.training.plan import Plan
@@ -83,13 +84,21 @@ def job_step_times(results: Sequence[TrainResult]) -> list[float]:
 
 
 def job_record(results: Sequence[TrainResult]) -> TrainRecord:
-    """The whole job's record, the same from every rank's results: per step the global loss (the
-    replicas' last stages' shares summed), the global batch's target tokens and the slowest rank's
-    seconds (a synchronous step ends when its last rank does); its throughput is the job's.
+    """The job's record, as one process would have kept it: per step the global token-mean loss, the
+    global batch's target tokens and the slowest rank's seconds (``.throughput(skip)``: tokens/s).
+
+    The loss is the sum of the last stage's shares (tensor slice 0) over the replicas.
+
+    Raises:
+        ValueError: ``results`` hold no last-stage rank of tensor slice 0 (not every rank's result).
     """
-    last = [r for r in results if r.coords["pp"] == r.plan.pp - 1 and r.coords["tp"] == 0]
-    losses = [sum(shares) for shares in zip(*(r.record.losses for r in last))]
-    return TrainRecord.from_steps(losses, results[0].record.tokens, job_step_times(results))
+    plan = results[0].plan
+    last = [r for r in results if r.coords["pp"] == plan.pp - 1 and r.coords["tp"] == 0]
+    if len(last) != plan.dp:
+        raise ValueError(f"job_record needs every rank's result: got {len(last)} of the {plan.dp} last-stage ranks "
+                         "of tensor slice 0")
+    return TrainRecord.from_steps(losses=[sum(step) for step in zip(*(r.record.losses for r in last))],
+                                  tokens=results[0].record.tokens, step_times=job_step_times(results))
 
 
 class LayoutMeasurement(NamedTuple):
@@ -130,7 +139,7 @@ def summarize_layout(results: Sequence[TrainResult], warmup: int = 1) -> LayoutM
 
 
 def max_difference(results: Sequence[TrainResult], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Largest absolute difference per parameter name over every replica's ranks that hold it.
+    """Largest absolute difference per parameter name over every replica's ranks that hold it (``inf``: not finite).
 
     Raises:
         ValueError: no rank returned parameters (run with ``return_state=True``), or a parameter of
@@ -139,7 +148,7 @@ def max_difference(results: Sequence[TrainResult], reference: dict[str, torch.Te
     differences: dict[str, float] = {}
     for r in results:
         for name, tensor in r.state.items():
-            diff = (tensor - reference[name]).abs().max().item()
+            diff = max_abs_difference(tensor, reference[name])  # inf for a NaN or an infinity: never passes
             differences[name] = max(differences.get(name, 0.0), diff)
     if not differences:
         raise ValueError("results hold no parameters: run with return_state=True")
