@@ -27,7 +27,8 @@ A step on rank ``(d, j, t)``:
     (:func:`~parallel_lib.training.stage_gradients.reduce_stage_gradients`);
 [7] AdamW on this rank's shard; ZeRO-1/2 all-gather the updated parameters.
 
-Every collective of a step is counted and sorted by the mesh axis it ran on.
+Every collective of a step is counted and sorted by the mesh axis it ran on, and each step is
+split into its phases (data, compute, sync, optimizer, gc: :mod:`.phases`) in ``TrainRecord.phases``.
 """
 
 from __future__ import annotations
