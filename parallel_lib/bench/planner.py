@@ -3,7 +3,7 @@
 ``python -m parallel_lib.bench planner [--quick]`` calibrates this machine
 (:func:`parallel_lib.planner.calibrate.calibrate`), then runs tiny GPT-2 (vocabulary 512, 64 tokens,
 16 sequences per step) under each layout with the chapters' own engines — ZeRO 0–3 from
-``sharding/`` (chapter 06), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters
+``sharding/`` (chapter 06, through the one training entry), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters
 04, 05), tensor parallelism ± sequence parallelism (chapter 07's runs, ``training.tp_layout``) and
 TP×PP with and without recomputation as plans of the one training entry (``training.train``),
 one process with and without recomputation (chapter 08's measurement) — and puts measured step
@@ -34,10 +34,9 @@ from parallel_lib.planner.model_step import PROBE_BATCH, step_key, time_step
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
-from parallel_lib.sharding.train import ShardConfig, run_sharded
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.tensor_parallel.batches import TPConfig
-from parallel_lib.training import Plan, RunConfig, tp_layout, train
+from parallel_lib.training import Plan, RunConfig, tp_layout, train, zero_plan
 from parallel_lib.training.traffic import dp_groups
 
 __all__ = ["Row", "jobs", "run_jobs", "run_layouts", "measure", "markdown", "main"]
@@ -75,16 +74,15 @@ def _hybrid_vocab(examples: int) -> int:
 
 def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout, str, Any, GPTShape]]:
     """``(layout, engine, config, model shape)`` for every layout run on ``world_size`` ranks."""
-    sharded = ShardConfig(strategy="zero", model="tiny", vocab_size=VOCAB, batch_size=BATCH, seq_len=SEQ,
-                          steps=steps, measure_step=1, return_state=False)
-    shard_shape = GPTShape.of(gpt2_config("tiny", VOCAB, n_positions=SEQ))
+    sharded = RunConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH, seq_len=SEQ, steps=steps,
+                        return_state=False)  # ZeRO over every rank, one micro-batch: chapter 06's runs
     tp_shape = GPTShape.of(gpt2_config("tiny", VOCAB))
     hybrid = HybridConfig(model="tiny", batch_size=BATCH, steps=steps, train_examples=BATCH * steps,
                           vocab_size=VOCAB, max_length=SEQ)
     hybrid_shape = GPTShape.of(gpt2_config("tiny", _hybrid_vocab(hybrid.train_examples)))
 
     def zero(k: int) -> tuple[Layout, str, Any, GPTShape]:
-        return Layout(dp=world_size, zero=k), "sharding.ZeroEngine", replace(sharded, stage=k), shard_shape
+        return Layout(dp=world_size, zero=k), "training.train", (zero_plan(world_size, k), sharded), tp_shape
 
     def pipe(dp: int, schedule: str, m: int) -> tuple[Layout, str, Any, GPTShape]:
         pp = world_size // dp
@@ -150,9 +148,6 @@ def _shortened(config: Any) -> Any:
 
 def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[float], float]:
     """One run with ``engine``: its step times on this rank and the model-state bytes it holds."""
-    if engine == "sharding.ZeroEngine":
-        r = run_sharded(rank, world_size, config)
-        return r.record.step_times, float(r.census.get("total", 0))
     if engine == "training.train":
         plan, run = config
         g = train(rank, world_size, plan, run)
