@@ -269,7 +269,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder,
         if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
             wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
             recorder.reset()
-        trace_collectives(engine, recorder if traced else None)  # ZeRO's collectives on the timeline too
+        trace_collectives(engine, recorder if traced else None, plan)  # dp alone: ZeRO's collectives too
         timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
         start = clock()
         with count_collectives() as step_counter:

@@ -87,7 +87,11 @@ def zero_padding(axis: Any) -> int:
     return sum(g.padded - g.numel for g in axis.groups) if isinstance(axis, ZeroEngine) else 0
 
 
-def trace_collectives(axis: Any, recorder: Optional[TimelineRecorder]) -> None:
-    """Let ZeRO's engine record its collectives (and ZeRO-3's per-group compute) on ``recorder``; None: stop."""
+def trace_collectives(axis: Any, recorder: Optional[TimelineRecorder], plan: Any) -> None:
+    """Let ZeRO's engine record its collectives (and ZeRO-3's per-group compute) on ``recorder``; None: stop.
+
+    Only for a plan over dp alone: the engine names its lanes "rank R comm" and "rank R compute"
+    by its rank in the dp group, which is the global rank only when dp spans the mesh.
+    """
     if isinstance(axis, ZeroEngine):
-        axis.recorder = recorder
+        axis.recorder = recorder if plan.tp == 1 and plan.pp == 1 else None
