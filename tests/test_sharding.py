@@ -84,6 +84,7 @@ def test_zero_needs_a_process_group():
     (Plan(pp=2, sync="zero_redundancy"), {}, r"sync='zero_redundancy' .* got tp=1, pp=2"),
     (Plan(tp=2), dict(max_grad_norm=1.0), "max_grad_norm clips by the norm over the dp axis only: it needs tp=1"),
     (Plan(dp=2, sync="ddp"), dict(return_shards=True), "return_shards saves ZeroEngine's shards"),
+    (Plan(dp=2, zero=3, sync="fsdp2"), {}, r"zero=3 is the stage of ZeroEngine \(sync='zero'\); sync='fsdp2'"),
 ])
 def test_chapter_06s_options_that_cannot_run_are_refused_before_any_rank_starts(plan, fields, match):
     from parallel_lib.training.run import check_layout

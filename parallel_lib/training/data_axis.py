@@ -5,9 +5,13 @@ pipeline splits ([3] of :mod:`.run`), and calls, every step::
 
     axis.reduce_gradients()        # after the pipeline's backward: the dp mean (or its shard)
     axis.reduced_gradient(p)       # the reduced gradient of p (the tied embedding's sum over the pipeline's ends)
+    axis.clip_grad_norm_(max_norm) # with RunConfig.max_grad_norm: by the global norm of the mean gradient
     axis.step()                    # the optimizer on what this rank owns
 
-and once at the end ``axis.remove()`` (the full parameters back in the model). ``axis.master``
+at the measured step ``axis.census()`` (bytes of parameters, gradients and optimizer states it
+holds; ZeroEngine's is :func:`~parallel_lib.sharding.memory.engine_census`, see
+:func:`~parallel_lib.training.zero_options.axis_census`), and once at the end ``axis.remove()``
+(the full parameters back in the model, as plain tensors). ``axis.master``
 lists the tensors the optimizer updates on this rank (their elements: what the rank owns).
 The pipeline runtime runs the module :func:`data_parallel_axis` returns beside it: the stage
 itself, or a wrapper whose forward the sync needs (PyTorch's ``DistributedDataParallel``).
