@@ -90,7 +90,8 @@ def load_checkpoint(axis: Any, resume: Optional[Checkpoint], run: Any) -> int:
     if resume is None:
         return 0
     model_state, optim_state, first = resume
-    if not isinstance(axis, ZeroEngine) or axis.model.model.tp_info.tp > 1 or not (axis.model.first and axis.model.last):
+    stage = axis.model if isinstance(axis, ZeroEngine) else None
+    if stage is None or stage.model.tp_info.tp > 1 or not (stage.first and stage.last):
         raise ValueError("resume loads a plain checkpoint into ZeRO's engine of the whole model: it needs "
                          "sync='zero', tp=1 and pp=1")
     if not 0 <= first < run.steps:

@@ -155,8 +155,8 @@ def build_model(run: RunConfig) -> GPT2LMHeadModel:
 class TrainResult:
     """What one rank measured and trained.
 
-    ``traffic`` is the measured step's (``run.measure_step``, by default the last) collectives by mesh axis ("dp", "tp", "pp", "tied"; "local":
-    calls on a group of one rank):
+    ``traffic`` is the measured step's (``run.measure_step``, by default the last) collectives by
+    mesh axis ("dp", "tp", "pp", "tied"; "local": calls on a group of one rank):
     ``{collective: (calls, message bytes)}``; ``wire`` the bytes this rank sent per axis.
     ``state`` holds the parameters this rank's stage trained, by the dense model's names
     (tensor slice 0 of each stage only; empty unless ``run.return_state``).

@@ -31,7 +31,7 @@ STAGE_RUN = RunConfig(model="tiny", vocab_size=512, batch_size=8, seq_len=32, st
 
 
 def zero_plan(world_size: int, stage: int = 0, sync: str = "zero") -> Plan:
-    """Data parallelism over ``world_size`` ranks at ZeRO ``stage`` (or PyTorch's ``sync``), one micro-batch per step."""
+    """Data parallelism over ``world_size`` ranks at ZeRO ``stage`` (or PyTorch's ``sync``), one micro-batch a step."""
     return Plan(dp=world_size, zero=stage, sync=sync, micro_batches=1)
 
 
