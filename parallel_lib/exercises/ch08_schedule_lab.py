@@ -49,6 +49,8 @@ SCHEDULE_LAB_STUB = f'''\
 # Targets: bubble <= {BUBBLE_TARGET} (simulate_schedule(...).bubble) with at most {PEAK_LIMIT} micro-batches held
 # by any rank (F done, W not yet). Write each rank's actions in order, as in print(make_schedule(...)):
 # one string per rank such as "F0 F1 B0 W0 ..." (a Schedule, or lists of Action, work too).
+# To see yours: render_schedule(as_lab_schedule(schedule_lab), COSTS), with
+# from parallel_lib.exercises.ch08_schedule_lab import COSTS, as_lab_schedule
 schedule_lab = None  # your answer: [rank 0's actions, rank 1's, rank 2's, rank 3's]
 '''
 
@@ -131,13 +133,20 @@ def _validation_problem(schedule: Schedule) -> Optional[tuple[str, str]]:
 
 
 def _where_idle(result: SimResult) -> str:
-    """The rank with the most idle time inside its span, and how much."""
-    spans = []
+    """The longest wait inside a rank's span of work, on the rank with the most idle time, between which actions."""
+    def name(event: Any) -> str:
+        kind = "F" if event.kind == "forward" else "W" if event.label.startswith("W") else "B"
+        return f"{kind}{event.micro_batch}"
+
+    idle, gaps = [], []
     for j in range(P):
-        lane = [e for e in result.events if e.lane == f"stage {j}"]
-        spans.append(max(e.end for e in lane) - min(e.start for e in lane) - result.busy[j])
-    worst = max(range(P), key=lambda j: spans[j])
-    return f"rank {worst} idles {spans[worst]:g} time units inside its own span of work"
+        lane = sorted((e for e in result.events if e.lane == f"stage {j}"), key=lambda e: e.start)
+        idle.append(lane[-1].end - lane[0].start - result.busy[j])
+        gaps.append(max(((b.start - a.end, a, b) for a, b in zip(lane, lane[1:])), key=lambda g: g[0]))
+    worst = max(range(P), key=lambda j: idle[j])
+    wait, before, after = gaps[worst]
+    return (f"rank {worst} idles {idle[worst]:g} time units inside its span, the longest wait {wait:g} between "
+            f"{name(before)} and {name(after)}")
 
 
 def _mlp() -> nn.Sequential:
@@ -188,7 +197,8 @@ def check_schedule_lab(answer: Any) -> CheckResult:
         return failed(_NAME, None, f"the exchanges would hang over NCCL: {error}",
                       "without tags the k-th tensor sent on a channel is the k-th received: keep each rank's "
                       "receives in the order its neighbour sends")
-    exchanges = "paired" if find_deadlock(schedule, paired=True, sender_order=True) is None else "in rounds"
+    exchanges = ("paired" if find_deadlock(schedule, paired=True, sender_order=True) is None
+                 else "in rounds (paired ones would hang)")
     result = simulate_schedule(schedule, COSTS)
     peak, bubble = max(result.peak_in_flight), result.bubble
     if peak > PEAK_LIMIT and bubble <= BUBBLE_TARGET:
@@ -199,10 +209,13 @@ def check_schedule_lab(answer: Any) -> CheckResult:
     if bubble > BUBBLE_TARGET:
         over = f"; and ranks hold {result.peak_in_flight}, above {PEAK_LIMIT}" if peak > PEAK_LIMIT else ""
         return failed(_NAME, None, f"the bubble is {bubble:.3f}, above the target {BUBBLE_TARGET}{over}",
-                      f"{_where_idle(result)}: draw the schedule (render_schedule(as_lab_schedule(schedule_lab), "
-                      f"COSTS)) and fill that gap with work the rank already may do")
-    difference = _pipe_problem(schedule)
+                      f"{_where_idle(result)}: what could that rank run there that it is already allowed to?")
+    try:
+        difference = _pipe_problem(schedule)
+    except Exception as error:  # a stage that raised or timed out: reported, never a traceback in the cell
+        difference = f"on the Pipe the schedule raised {type(error).__name__}: {error}"
     if difference is not None:
         return failed(_NAME, None, difference)
-    return passed(_NAME, f"bubble {bubble:.3f} <= {BUBBLE_TARGET} at {peak:g} <= {PEAK_LIMIT} micro-batches, exchanges "
-                  f"{exchanges} without a hang, and on the Pipe every gradient equals the unsplit model's")
+    return passed(_NAME, f"bubble {bubble:.3f} <= {BUBBLE_TARGET} at {peak:g} <= {PEAK_LIMIT} micro-batches; over "
+                  f"NCCL the exchanges run {exchanges} without a hang; on the Pipe every gradient equals the "
+                  f"unsplit model's")
