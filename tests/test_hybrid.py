@@ -1,9 +1,15 @@
-"""Tests for parallel_lib.hybrid: data parallel over pipelines equals one process.
+"""Chapter 05: data parallelism over pipelines, as plans of the one training entry, equals one process.
 
-Starting four ranks costs seconds, so one launch runs every layout in turn (2 x 2
-with both schedules, pure PP 1 x 4, pure DP 4 x 1) and then a deliberately broken
-run whose ranks disagree on the micro-batch count, to see every wait time out with
-a message that names the rank.
+Starting four ranks costs seconds, so one launch runs every layout in turn (2 x 2 with both
+schedules, pure PP 1 x 4, pure DP 4 x 1, all on the course's corpus as chapter 01's
+``partition_dataset`` hands it to the replicas) and then a deliberately broken run whose rank 0
+stops after one step, to see every wait time out with a message that names the rank.
+
+AdamW with eps = 1e-3 (as test_training_3d): its update then depends on the gradient's scale, so
+a wrong loss normalisation, a gradient summed instead of averaged over dp or a tied copy left
+unsummed changes the parameters (``test_a_wrong_gradient_scale_would_be_caught``).
+(GPU item 4, a stage rank holding only its stage: test_training_3d's
+``test_a_pipeline_rank_holds_only_its_stage_of_the_tp_shard`` runs this pure-PP case.)
 """
 
 from __future__ import annotations
@@ -15,40 +21,35 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_lib.data_parallel import single_process_reference
-from parallel_lib.hybrid import (
-    HEAD_COPY,
-    HybridConfig,
-    compare_with_reference,
-    gather_state,
-    run_hybrid,
-    run_hybrid_many,
-    summarize,
-)
 from parallel_lib.pipeline_parallel import make_schedule
 from parallel_lib.pipeline_parallel.link import StageLink, exchange_plan, find_deadlock
 from parallel_lib.planner import p2p_bytes
 from parallel_lib.runtime import launch
+from parallel_lib.runtime.guard import unwrap
+from parallel_lib.training import (Plan, RunConfig, global_batches, job_record, max_difference, reference,
+                                   summarize_layout, train, train_many)
+from parallel_lib.training.layouts import split_fields
+from parallel_lib.training.run import check_layout
 
-# SGD with a large step: unlike Adam, its update is proportional to the gradient, so a
-# wrong loss normalisation or a gradient summed instead of averaged changes the parameters
-BASE = HybridConfig(dp=2, pp=2, micro_batches=2, batch_size=8, steps=2, train_examples=64, vocab_size=300,
-                    max_length=16, optimizer="sgd", lr=0.5, return_state=True)
+RUN = RunConfig(data="corpus", vocab_size=300, seq_len=32, batch_size=8, steps=2, train_examples=64, lr=1e-2,
+                eps=1e-3, return_state=True)
+BASE = Plan(dp=2, pp=2, micro_batches=2)
 LAYOUTS = {
-    "2x2 1f1b": replace(BASE, timeline_step=1),
-    "2x2 gpipe": replace(BASE, schedule="gpipe", micro_batches=3, batch_size=12, steps=2),
-    "1x4 1f1b": replace(BASE, dp=1, pp=4, micro_batches=4),
-    "4x1": replace(BASE, dp=4, pp=1, micro_batches=1),
+    "2x2 1f1b": (BASE, replace(RUN, timeline_steps=1)),
+    "2x2 gpipe": (replace(BASE, schedule="gpipe", micro_batches=3), replace(RUN, batch_size=12)),
+    "1x4 1f1b": (Plan(pp=4, micro_batches=4), RUN),
+    "4x1": (Plan(dp=4, micro_batches=1), RUN),
 }
+TOLERANCE = 1e-5  # float sums in another order; a gradient of the wrong scale moves far more (test below)
 BROKEN_TIMEOUT = 2.0
 
 
-def layouts_then_broken_run(rank: int, world_size: int, configs: list[HybridConfig]) -> tuple[list, str]:
+def layouts_then_broken_run(rank: int, world_size: int, jobs: list[tuple[Plan, RunConfig]]) -> tuple[list, str]:
     """Every layout, then a 2 x 2 run in which rank 0 stops after one step and the others wait for it."""
-    results = run_hybrid_many(rank, world_size, configs)
-    broken = replace(BASE, return_state=False, timeout=BROKEN_TIMEOUT, steps=1 if rank == 0 else 2)
+    results = train_many(rank, world_size, jobs)
+    broken = replace(RUN, return_state=False, timeout=BROKEN_TIMEOUT, steps=1 if rank == 0 else 2)
     try:
-        run_hybrid(rank, world_size, broken)
+        train(rank, world_size, BASE, broken)
         message = "no error"
     except (TimeoutError, RuntimeError) as error:
         message = f"{type(error).__name__}: {error}"
@@ -63,37 +64,59 @@ def launched() -> tuple[dict[str, list], list[str]]:
     return by_layout, [message for _, message in per_rank]
 
 
+@pytest.fixture(scope="module")
+def expected() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    return {name: reference(run, dp=plan.dp) for name, (plan, run) in LAYOUTS.items()}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_parameters_and_losses_equal_one_process_on_the_global_batches(launched, name):
-    results = launched[0][name]
-    config = LAYOUTS[name]
-    record, expected = single_process_reference(config.dp, config.dp_config())
-    differences = compare_with_reference(results, expected)
-    assert set(differences) == set(expected)  # every parameter lives on some stage, the head's copy too
-    assert max(differences.values()) < 1e-5, {k: v for k, v in differences.items() if v >= 1e-5}
-    summary = summarize(results)
-    assert results[0].tokens == record.tokens  # the replicas' batches make up the global batch
-    assert summary["losses"] == pytest.approx(record.losses, rel=1e-5)
+def test_parameters_and_losses_equal_one_process_on_the_global_batches(launched, expected, name):
+    results, (plan, run) = launched[0][name], LAYOUTS[name]
+    losses, state = expected[name]
+    differences = max_difference(results, state)
+    # every parameter lives on some stage, the last stage's copy of the tied embedding (the head) too
+    trainable = {k for k in state if not k.endswith((".attn.bias", "masked_bias"))}
+    assert set(differences) == (trainable if plan.pp > 1 else trainable - {"lm_head.weight"})
+    assert max(differences.values()) < TOLERANCE, {k: v for k, v in differences.items() if v >= TOLERANCE}
+    job = job_record(results)
+    # the replicas' batches make up the global batch: its target tokens, counted on every rank
+    assert job.tokens == [int(b["label_token_weights"].sum()) for b in global_batches(run, plan.dp)]
+    assert job.losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_wrong_gradient_scale_would_be_caught(expected):
+    """AdamW with gradients twice too large is AdamW with the true gradients and half the eps: one process with
+    half the eps is a run whose replicas forgot to divide by dp. It ends far outside the tolerance."""
+    plan, run = LAYOUTS["2x2 1f1b"]
+    _, state = expected["2x2 1f1b"]
+    _, doubled = reference(replace(run, eps=run.eps / 2), dp=plan.dp)
+    assert max((doubled[k] - state[k]).abs().max().item() for k in state) > 10 * TOLERANCE
+
+
+def _sent(r, axis: str, kind: str) -> int:
+    return r.traffic[axis].get(kind, (0, 0))[1]
 
 
 def test_bytes_sent_are_what_the_planner_counts(launched):
     for name, results in launched[0].items():
-        config = LAYOUTS[name]
-        boundary = config.batch_size // config.dp * config.max_length * 64 * 4  # tiny: n_embd 64, fp32
+        plan, run = LAYOUTS[name]
+        boundary = run.batch_size // plan.dp * run.seq_len * 64 * 4  # one replica batch, tiny: n_embd 64, fp32
         for r in results:  # forward to the next stage, gradients back to the previous one
-            assert r.bytes_p2p == boundary * ((r.stage > 0) + (r.stage < config.pp - 1)), (name, r.rank)
-        assert summarize(results)["bytes_p2p"] == p2p_bytes(boundary, config.pp), name
+            j = r.coords["pp"]
+            assert _sent(r, "pp", "send") == r.wire["pp"] == boundary * ((j > 0) + (j < plan.pp - 1)), (name, r.rank)
+        assert summarize_layout(results, warmup=0).traffic["pp"] == p2p_bytes(boundary, plan.pp), name
         # every gradient of a replica, the head's copy included, goes through its dp all-reduce once
-        replica = [r for r in results if r.replica == 0]
-        expected = 4 * sum(r.num_parameters for r in replica) if config.dp > 1 else 0
-        assert sum(r.bytes_dp for r in replica) == expected, name
-        assert all((r.bytes_tied > 0) == (config.pp > 1 and r.stage in (0, config.pp - 1)) for r in results)
+        replica = [r for r in results if r.coords["dp"] == 0]
+        expected = sum(r.parameter_bytes for r in replica) if plan.dp > 1 else 0
+        assert sum(_sent(r, "dp", "all_reduce") for r in replica) == expected, name
+        assert all((_sent(r, "tied", "all_reduce") > 0) == (plan.pp > 1 and r.coords["pp"] in (0, plan.pp - 1))
+                   for r in results), name
 
 
 def test_1f1b_holds_fewer_micro_batches_than_gpipe(launched):
     by_layout = launched[0]
-    assert [r.peak_activations for r in by_layout["1x4 1f1b"]] == [4, 3, 2, 1]
-    assert {r.peak_activations for r in by_layout["2x2 gpipe"]} == {3}
+    assert [r.peak_micro_batches for r in by_layout["1x4 1f1b"]] == [4, 3, 2, 1]
+    assert {r.peak_micro_batches for r in by_layout["2x2 gpipe"]} == {3}
 
 
 def test_timeline_of_the_traced_step_has_every_action_and_both_all_reduces(launched):
@@ -103,56 +126,64 @@ def test_timeline_of_the_traced_step_has_every_action_and_both_all_reduces(launc
         assert kinds.count(("forward", "")) == kinds.count(("backward", "")) == 2, r.rank
         assert ("comm", "dp") in kinds and ("comm", "tied") in kinds
         assert len({e.lane for e in r.events}) == 1
-    assert all(not r.events for r in launched[0]["2x2 gpipe"])  # timeline_step=None records nothing
+    assert all(not r.events for r in launched[0]["2x2 gpipe"])  # timeline_steps=0 records nothing
 
 
 def test_a_wait_that_never_ends_times_out_naming_the_rank_and_the_peer(launched):
     messages = launched[1]
     assert messages[0] == "no error"  # rank 0 trained its one step and left
-    assert messages[1].startswith("TimeoutError: rank 1 (replica 0, stage 1) waiting for the activations of "
-                                  "micro-batch 0 from rank 0: nothing within timeout=2 s"), messages[1]
-    assert messages[2].startswith("TimeoutError: rank 2 (replica 1, stage 0): token count of step 1") or \
-        messages[2].startswith("RuntimeError: rank 2 (replica 1, stage 0): token count of step 1: failed"), messages[2]
-    assert messages[3].startswith("TimeoutError: rank 3 (replica 1, stage 1) waiting for the activations of "
-                                  "micro-batch 0 from rank 2"), messages[3]
+    assert messages[1].startswith("TimeoutError: rank 1 (replica 0, stage 1, slice 0) waiting for the activations "
+                                  "of micro-batch 0 from rank 0: nothing within timeout=2 s"), messages[1]
+    assert messages[2].startswith("RuntimeError: rank 2 (replica 1, stage 0, slice 0): the gradients' mean over the "
+                                  "stage's dp group"), messages[2]
+    assert messages[3].startswith("RuntimeError: rank 3 (replica 1, stage 1, slice 0): the gradients' mean over the "
+                                  "stage's dp group"), messages[3]
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(dp=3), r"dp \* pp must equal world_size=4, got dp=3 x pp=2 = 6"),
-    (dict(dp=1, pp=4, model="nope"), "model must be one of"),
-    (dict(dp=1, pp=4, model="tiny", micro_batches=0), "micro_batches must be >= 1"),
-    (dict(schedule="zigzag"), "schedule must be one of"),
-    (dict(batch_size=9), "batch_size must split into dp=2"),
-    (dict(micro_batches=5), "at least micro_batches=5 rows"),
-    (dict(steps=9), "need train_examples >= 72"),
-    (dict(optimizer="lion"), "optimizer must be 'adamw' or 'sgd'"),
-    (dict(timeout=0), "timeout > 0"),
+    (dict(dp=3), r"dp \* tp \* pp must equal world_size=4, got 3 x 1 x 2 = 6"),
+    (dict(dp=1, pp=4, model="nope"), "model"),
+    (dict(dp=1, pp=4, micro_batches=0), "micro_batches"),
+    (dict(schedule="zigzag"), "schedule"),
+    (dict(batch_size=9), "batch_size must split into dp=2 replicas of micro_batches=2"),
+    (dict(micro_batches=5), "micro_batches=5 equal micro-batches"),
+    (dict(vocab_size=200), "the corpus tokenizer needs vocab_size >= 258"),
+    (dict(timeout=0), "timeout"),
 ])
-def test_config_check_names_the_field(change, match):
+def test_a_layout_check_names_the_field(change, match):
+    plan_fields, run_fields = split_fields(**change)
     with pytest.raises(ValueError, match=match):
-        replace(BASE, **change).check(world_size=4)
+        check_layout(replace(BASE, **plan_fields), replace(RUN, **run_fields), world_size=4)
     with pytest.raises(ValueError, match=r"pp must be <= the model's 4 blocks"):
-        replace(BASE, dp=1, pp=5).check()
+        check_layout(Plan(pp=5), RUN)
 
 
-def test_gather_state_needs_returned_parameters(launched):
+def test_max_difference_needs_returned_parameters(launched, expected):
     results = launched[0]["2x2 1f1b"]
-    assert HEAD_COPY in gather_state(results, replica=1)
+    assert "lm_head.weight" in {k for r in results if r.coords["dp"] == 1 for k in r.state}  # the head's copy
     with pytest.raises(ValueError, match="return_state=True"):
-        gather_state([replace(r, state=None) for r in results])
-    with pytest.raises(ValueError, match="no stage holds"):
-        compare_with_reference([r for r in results if r.stage == 0], gather_state(results))
+        max_difference([replace(r, state={}) for r in results], {})
+    _, state = expected["2x2 1f1b"]
+    with pytest.raises(ValueError, match="no stage returned"):
+        max_difference([r for r in results if r.coords["pp"] == 0], state)
 
 
-def test_run_hybrid_needs_a_process_group():
+def test_the_job_record_needs_every_last_stage_rank(launched):
+    results = launched[0]["2x2 1f1b"]
+    assert job_record(results).step_times == [max(r.record.step_times[k] for r in results) for k in range(2)]
+    with pytest.raises(ValueError, match="needs every rank's result: got 1 of the 2 last-stage ranks"):
+        job_record([r for r in results if r.rank != 3])
+
+
+def test_train_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialised process group"):
-        run_hybrid(0, 4, BASE)
+        train(0, 4, BASE, RUN)
 
 
 # ---- point-to-point built for NCCL: paired exchanges, no tags, 64 MB messages ----
 
 BIG = 64 * 2**20 // 4  # float32 values in one 64 MB message (a 124M GPT-2 activation is ~25 MB)
-P2P = replace(BASE, dp=1, pp=2, micro_batches=2, steps=1, return_state=False)
+P2P = (Plan(pp=2, micro_batches=2), replace(RUN, steps=1, return_state=False))
 
 
 def _value(message):
@@ -160,17 +191,19 @@ def _value(message):
 
 
 def p2p_calls_then_big_exchanges(rank, world_size):
-    """Record every batch_isend_irecv of a hybrid step; then a 1F1B exchange plan with 64 MB tensors."""
+    """Record every batch_isend_irecv of a DP × PP step of the one entry; then a 1F1B exchange plan with 64 MB
+    tensors."""
     batches = []
     original = dist.batch_isend_irecv
 
     def recording(ops):
-        batches.append([("send" if op.op is dist.isend else "recv", op.peer, op.tag) for op in ops])
+        # unwrap: inside a step the collective counter's stand-in of isend is installed (equal to, not isend)
+        batches.append([("send" if unwrap(op.op) is unwrap(dist.isend) else "recv", op.peer, op.tag) for op in ops])
         return original(ops)
 
     dist.batch_isend_irecv = recording
     try:
-        run_hybrid(rank, world_size, P2P)
+        train(rank, world_size, *P2P)
     finally:
         dist.batch_isend_irecv = original
     schedule = make_schedule("1f1b", 2, 2)
@@ -191,7 +224,8 @@ def p2p_launched():
 
 
 def test_every_pipeline_exchange_is_one_batch_isend_irecv_without_tags(p2p_launched):
-    schedule = make_schedule(P2P.schedule, P2P.pp, P2P.micro_batches)
+    plan = P2P[0]
+    schedule = make_schedule(plan.schedule, plan.pp, plan.micro_batches)
     for rank, (batches, _, _) in enumerate(p2p_launched):
         peer = 1 - rank
         expected = [[("recv", peer, 0)] * len(e.recvs) + [("send", peer, 0)] * len(e.sends)
@@ -214,7 +248,7 @@ def test_paired_exchanges_complete_under_nccl_rules(name, p, m):
 
 @pytest.mark.parametrize("p, m", [(2, 2), (3, 4), (4, 8)])
 def test_unpaired_sends_deadlock_1f1b_under_nccl_rules(p, m):
-    """What the hybrid 1F1B did before: neighbours both sending, each waiting for the other's receive."""
+    """What chapter 05's 1F1B did before: neighbours both sending, each waiting for the other's receive."""
     verdict = find_deadlock(make_schedule("1f1b", p, m), paired=False)
     assert verdict is not None and verdict.startswith("deadlock: stage 0 waits in [send activation")
     assert find_deadlock(make_schedule("gpipe", p, m), paired=False) is None  # all sends, then all receives
@@ -233,22 +267,3 @@ def test_bucketed_all_reduce_takes_a_group_or_a_custom_all_reduce_not_both():
     from parallel_lib.data_parallel import BucketedAllReduce
     with pytest.raises(ValueError, match="give all_reduce or group, not both"):
         BucketedAllReduce(nn.Linear(2, 2), all_reduce=lambda t: None, group=object())
-
-
-def test_a_stage_rank_moves_and_keeps_only_its_stage():
-    """GPU item 4: the replica is cut on the CPU and only the stage reaches the rank's device (here the meta
-    device, whose copies are counted); nothing else of the replica stays alive on the host. The old code moved
-    the whole replica to the device before cutting it."""
-    from _census import Moved, live_parameters
-
-    from parallel_lib.hybrid.dp_pp import _stage_of_replica
-    config = replace(BASE, dp=1, pp=2)
-    for j in range(2):
-        host_before = live_parameters("cpu")
-        with Moved() as moved:
-            module, tied, _, _, _ = _stage_of_replica(config, j, torch.device("meta"))
-        held = sum(t.numel() for t in [*module.parameters(), *module.buffers()])
-        assert moved.numel == held, j  # the device got the stage's tensors, nothing more
-        assert live_parameters("cpu") == host_before, j  # and the host kept nothing of the other stage
-        assert all(p.device.type == "meta" for p in module.parameters()) and len(tied) == 1
-        del module, tied

@@ -47,7 +47,7 @@ LAYERS = {
     "data_parallel": 3, "sharding": 3, "model_parallel": 3, "tensor_parallel": 3, "context_parallel": 3,
     "expert_parallel": 3,
     "pipeline_parallel": 4,
-    "hybrid": 5, "training": 5, "inference": 5, "serving": 5,
+    "training": 5, "inference": 5, "serving": 5,
     "planner": 6,
     "viz": 7, "bench": 7, "exercises": 7, "gpu_checks": 7, "figures": 7, "check_gpu": 7, "quickstart": 7,
 }
@@ -74,7 +74,7 @@ def unit_of(path: Path) -> str:
 
 
 def _target_unit(target: str) -> Optional[str]:
-    """``"parallel_lib.hybrid.grid"`` -> ``"hybrid"``; ``None`` for the bare package."""
+    """``"parallel_lib.training.plan"`` -> ``"training"``; ``None`` for the bare package."""
     parts = target.split(".")
     return parts[1] if len(parts) > 1 else None
 
@@ -189,7 +189,7 @@ def test_known_violations_still_exist():
 
 @pytest.mark.parametrize("module, source, expected", [
     # upward, at the top of a module, inside a function, relative, as `from parallel_lib import x`, by importlib
-    ("runtime/fake.py", "from parallel_lib.hybrid.grid import RankGrid", [(1, "parallel_lib.hybrid.grid")]),
+    ("runtime/fake.py", "from parallel_lib.training.plan import Plan", [(1, "parallel_lib.training.plan")]),
     ("runtime/fake.py", "def f():\n    import parallel_lib.planner.search as s", [(2, "parallel_lib.planner.search")]),
     ("runtime/fake.py", "from ..pipeline_parallel import Pipe", [(1, "parallel_lib.pipeline_parallel")]),
     ("common/fake.py", "from parallel_lib import data", [(1, "parallel_lib.data")]),
@@ -201,7 +201,7 @@ def test_known_violations_still_exist():
     ("sharding/fake.py", "from parallel_lib.data_parallel.ring import ring_all_gather", []),
     ("bench/fake.py", "from parallel_lib.viz import ring\nfrom parallel_lib import quickstart", []),
     # down, and within the unit
-    ("hybrid/fake.py", "from parallel_lib.pipeline_parallel import Pipe\nfrom . import grid\nimport parallel_lib", []),
+    ("training/fake.py", "from parallel_lib.pipeline_parallel import Pipe\nfrom . import plan\nimport parallel_lib", []),
     # a command-line main may use a higher layer; the same import elsewhere may not
     ("runtime/__main__.py", "def main():\n    from parallel_lib.planner import plan", []),
     ("runtime/cli.py", "def main():\n    def inner():\n        from parallel_lib.planner import plan", []),

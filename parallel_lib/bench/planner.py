@@ -3,9 +3,9 @@
 ``python -m parallel_lib.bench planner [--quick]`` calibrates this machine
 (:func:`parallel_lib.planner.calibrate.calibrate`), then runs tiny GPT-2 (vocabulary 512, 64 tokens,
 16 sequences per step) under each layout with the chapters' own engines — ZeRO 0–3 from
-``sharding/`` (chapter 06), pipelines with GPipe and 1F1B and DP×PP from ``hybrid/dp_pp`` (chapters
+``sharding/`` (chapter 06); pipelines with GPipe and 1F1B and DP×PP on the course's corpus (chapters
 04, 05), tensor parallelism ± sequence parallelism (chapter 07's runs, ``training.tp_layout``) and
-TP×PP with and without recomputation as plans of the one training entry (``training.train``),
+TP×PP with and without recomputation, all as plans of the one training entry (``training.train``);
 one process with and without recomputation (chapter 08's measurement) — and puts measured step
 time and model-state bytes beside :func:`parallel_lib.planner.layout.price`'s prediction.
 Goals: step time within 25 %, model state within 5 %. ``--quick`` runs two layouts on 2 ranks.
@@ -24,9 +24,6 @@ import torch.distributed as dist
 from parallel_lib.common import tables
 from parallel_lib.common.activations import measure_step_activations
 from parallel_lib.common.models import build_gpt2, gpt2_config
-from parallel_lib.data.corpus import load_corpus
-from parallel_lib.data.tokenizer import get_tokenizer
-from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid
 from parallel_lib.planner.__main__ import describe
 from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
 from parallel_lib.planner.layout import Layout, price
@@ -68,28 +65,22 @@ class Row:
         return self.predicted_state / self.measured_state - 1
 
 
-def _hybrid_vocab(examples: int) -> int:
-    """The vocabulary chapter 05's run builds its model with (its tokenizer's size)."""
-    return len(get_tokenizer(load_corpus("train", size=examples), vocab_size=VOCAB))
-
-
 def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout, str, Any, GPTShape]]:
     """``(layout, engine, config, model shape)`` for every layout run on ``world_size`` ranks."""
     sharded = ShardConfig(strategy="zero", model="tiny", vocab_size=VOCAB, batch_size=BATCH, seq_len=SEQ,
                           steps=steps, measure_step=1, return_state=False)
     shard_shape = GPTShape.of(gpt2_config("tiny", VOCAB, n_positions=SEQ))
     tp_shape = GPTShape.of(gpt2_config("tiny", VOCAB))
-    hybrid = HybridConfig(model="tiny", batch_size=BATCH, steps=steps, train_examples=BATCH * steps,
-                          vocab_size=VOCAB, max_length=SEQ)
-    hybrid_shape = GPTShape.of(gpt2_config("tiny", _hybrid_vocab(hybrid.train_examples)))
+    corpus = RunConfig(model="tiny", data="corpus", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH, steps=steps,
+                       train_examples=BATCH * steps, return_state=False)  # chapter 05's run
 
     def zero(k: int) -> tuple[Layout, str, Any, GPTShape]:
         return Layout(dp=world_size, zero=k), "sharding.ZeroEngine", replace(sharded, stage=k), shard_shape
 
     def pipe(dp: int, schedule: str, m: int) -> tuple[Layout, str, Any, GPTShape]:
         pp = world_size // dp
-        return (Layout(dp=dp, pp=pp, schedule=schedule, micro_batches=m), "hybrid.run_hybrid",
-                replace(hybrid, dp=dp, pp=pp, schedule=schedule, micro_batches=m), hybrid_shape)
+        return (Layout(dp=dp, pp=pp, schedule=schedule, micro_batches=m), "training.train",
+                (Plan(dp=dp, pp=pp, schedule=schedule, micro_batches=m), corpus), tp_shape)
 
     def tp(t: int, sp: bool) -> tuple[Layout, str, Any, GPTShape]:
         config = TPConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH // (world_size // t), seq_len=SEQ,
@@ -153,12 +144,9 @@ def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[flo
     if engine == "sharding.ZeroEngine":
         r = run_sharded(rank, world_size, config)
         return r.record.step_times, float(r.census.get("total", 0))
-    if engine == "training.train":
-        plan, run = config
-        g = train(rank, world_size, plan, run)
-        return g.record.step_times, float(g.state_bytes)
-    h = run_hybrid(rank, world_size, config)
-    return h.record.step_times, float(h.state_bytes)
+    plan, run = config  # "training.train"
+    g = train(rank, world_size, plan, run)
+    return g.record.step_times, float(g.state_bytes)
 
 
 def _step_time(per_rank: Sequence[Sequence[float]]) -> float:

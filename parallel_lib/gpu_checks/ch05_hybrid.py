@@ -1,13 +1,12 @@
 """Chapter 05's GPU check: data parallelism over pipelines on NCCL ranks trains like one process.
 
 :func:`check_hybrid` runs every ``dp x pp`` layout of the GPUs (:func:`hybrid_grid`) with GPipe
-and 1F1B and compares each with one process on the CPU. :mod:`parallel_lib.gpu_checks`
+and 1F1B, as plans of the one training entry (:func:`parallel_lib.training.train`), and compares each with
+one process on the CPU (:func:`parallel_lib.training.reference`). :mod:`parallel_lib.gpu_checks`
 registers it as ``hybrid``.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.gpu_checks._reference import CheckError
@@ -22,30 +21,28 @@ def hybrid_grid(n_gpus: int) -> list[tuple[int, int]]:
 
 
 def check_hybrid(n_gpus: int, quick: bool = False) -> str:
-    """Chapter 05: DP over pipelines on NCCL ranks (one GPU each); parameters vs one process on the CPU."""
-    from parallel_lib.data_parallel.dp_reference import single_process_reference
-    from parallel_lib.hybrid.dp_pp import HybridConfig, run_hybrid_many
-    from parallel_lib.hybrid.results import compare_with_reference, summarize
+    """Chapter 05: DP over pipelines on NCCL ranks (one GPU each), plans of the one training entry; parameters vs
+    one process on the CPU."""
+    from parallel_lib.training import (Plan, RunConfig, job_record, max_difference, reference, summarize_layout,
+                                       train_many)
 
-    # SGD: an update proportional to the gradient, so a missed or doubled sync shows (see check_dp)
-    base = HybridConfig(micro_batches=4, batch_size=8 * n_gpus, steps=3, train_examples=64 * n_gpus,
-                        vocab_size=300, max_length=16 if quick else 32, optimizer="sgd", lr=0.5,
-                        return_state=True)
-    configs = [replace(base, dp=dp, pp=pp, schedule=schedule) for dp, pp in hybrid_grid(n_gpus)
-               for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",))]
-    per_rank = launch(run_hybrid_many, n_gpus, configs, timeout=300)
+    # AdamW with a large eps: its update then depends on the gradient's scale (a missed or doubled sync shows)
+    run = RunConfig(data="corpus", vocab_size=300, seq_len=32 if quick else 64, batch_size=8 * n_gpus, steps=3,
+                    train_examples=64 * n_gpus, lr=1e-2, eps=1e-3)
+    jobs = [(Plan(dp=dp, pp=pp, schedule=schedule, micro_batches=4), run) for dp, pp in hybrid_grid(n_gpus)
+            for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",))]
+    per_rank = launch(train_many, n_gpus, jobs, timeout=300)
     rows = []
-    for k, config in enumerate(configs):
+    for k, (plan, _) in enumerate(jobs):
         results = [runs[k] for runs in per_rank]
-        _, expected = single_process_reference(config.dp, config.dp_config())
-        worst = max(compare_with_reference(results, expected).values())
+        worst = max(max_difference(results, reference(run, dp=plan.dp)[1]).values())
         if worst > 1e-4:  # float sums in another order: ~1e-6
-            raise CheckError(f"{config.dp} x {config.pp} {config.schedule} on {n_gpus} GPUs differs from one "
+            raise CheckError(f"{plan.dp} x {plan.pp} {plan.schedule} on {n_gpus} GPUs differs from one "
                              f"process by {worst:.3g}")
-        summary = summarize(results)
-        rows.append([f"{config.dp} x {config.pp}", config.schedule, f"{worst:.1e}",
-                     f"{summary['bytes_p2p'] / 1e6:.2f}", f"{summary['tokens_per_sec']:,.0f}"])
-    return "\n".join([f"Data parallel over pipelines (chapter 05) on {n_gpus} ranks, tiny GPT-2, 3 SGD steps: "
+        rows.append([f"{plan.dp} x {plan.pp}", plan.schedule, f"{worst:.1e}",
+                     f"{summarize_layout(results, warmup=0).traffic['pp'] / 1e6:.2f}",
+                     f"{job_record(results).throughput():,.0f}"])
+    return "\n".join([f"Data parallel over pipelines (chapter 05) on {n_gpus} ranks, tiny GPT-2, 3 AdamW steps: "
                       "parameters vs one process on the CPU:", "",
                       markdown_table(["dp x pp", "schedule", "max abs parameter difference", "MB sent stage to stage",
                                       "tokens/s"], rows, "llrrr")])

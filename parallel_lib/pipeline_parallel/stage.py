@@ -1,7 +1,7 @@
 """One stage of a pipeline, cut out of the autograd graph: the runner both executors share.
 
-The threaded :class:`~parallel_lib.pipeline_parallel.Pipe` (chapter 04) and the ranks of
-:mod:`parallel_lib.hybrid` (chapter 05) run a stage the same way; only the hand-over
+The threaded :class:`~parallel_lib.pipeline_parallel.Pipe` (chapter 04) and the ranks of the one
+training entry :func:`parallel_lib.training.train` (chapters 05-10) run a stage the same way; only the hand-over
 differs (a Python object between threads, a message between processes)::
 
     stage j-1                         stage j (this runner)

@@ -13,10 +13,10 @@ from parallel_lib.training.one_process import reference
 from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_rows
 from parallel_lib.training.run import RunConfig, TrainResult, build_model, train, train_many
 from parallel_lib.training.tp_runs import tp_layout, train_tp
-from parallel_lib.training.layouts import (LayoutMeasurement, job_step_times, max_difference, measure_layout,
-                                           summarize_layout, train_3d, train_layout)
+from parallel_lib.training.layouts import (LayoutMeasurement, job_record, job_step_times, max_difference,
+                                           measure_layout, summarize_layout, train_3d, train_layout)
 
 __all__ = ["Plan", "RunConfig", "TrainResult", "train", "train_many", "reference", "build_model", "global_batches",
            "replica_rows", "DATA_SOURCES", "SYNCS",
            "train_layout", "train_3d", "measure_layout", "summarize_layout", "LayoutMeasurement", "max_difference",
-           "job_step_times", "tp_layout", "train_tp"]
+           "job_step_times", "job_record", "tp_layout", "train_tp"]

@@ -5,6 +5,7 @@
   DP × TP × PP grid given as three numbers (chapter 10);
 - :func:`measure_layout` is what the planner's check calls: step time, model-state bytes per
   rank and traffic per mesh axis, for one layout (:func:`summarize_layout` from results);
+- :func:`job_record` is the job's loss, tokens and step times as one process would record them;
 - :func:`max_difference` compares the ranks' parameters with the one single-process
   :func:`~parallel_lib.training.one_process.reference`.
 """
@@ -17,12 +18,13 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.run import RunConfig, TrainResult, check_layout, train
 
 __all__ = ["train_layout", "train_3d", "LayoutMeasurement", "measure_layout", "summarize_layout", "max_difference",
-           "job_step_times", "split_fields"]
+           "job_step_times", "job_record", "split_fields"]
 
 
 def train_layout(plan: Plan, run: RunConfig = RunConfig(), timeout: float = 300.0,
@@ -78,6 +80,24 @@ def train_3d(dp: int, tp: int, pp: int, model: str = "tiny", steps: int = 2, tim
 def job_step_times(results: Sequence[TrainResult]) -> list[float]:
     """Seconds of each step of the job: a step lasts as long as its slowest rank."""
     return [max(times) for times in zip(*(r.record.step_times for r in results))]
+
+
+def job_record(results: Sequence[TrainResult]) -> TrainRecord:
+    """The job's record, as one process would have kept it: per step the global token-mean loss, the
+    global batch's target tokens and the slowest rank's seconds (``.throughput(skip)``: tokens/s).
+
+    The loss is the sum of the last stage's shares (tensor slice 0) over the replicas.
+
+    Raises:
+        ValueError: ``results`` hold no last-stage rank of tensor slice 0 (not every rank's result).
+    """
+    plan = results[0].plan
+    last = [r for r in results if r.coords["pp"] == plan.pp - 1 and r.coords["tp"] == 0]
+    if len(last) != plan.dp:
+        raise ValueError(f"job_record needs every rank's result: got {len(last)} of the {plan.dp} last-stage ranks "
+                         "of tensor slice 0")
+    return TrainRecord.from_steps(losses=[sum(step) for step in zip(*(r.record.losses for r in last))],
+                                  tokens=results[0].record.tokens, step_times=job_step_times(results))
 
 
 class LayoutMeasurement(NamedTuple):

@@ -23,7 +23,8 @@ A step on rank ``(d, j, t)``:
     its forwards (with one replica and one micro-batch, dropout drops what
     :func:`~parallel_lib.training.reference` drops: chapter 07's proof);
 [6] reduce the gradients over dp (ZeRO's reduce-scatter or all-reduce), sum the
-    sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends;
+    sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends
+    (:func:`~parallel_lib.training.stage_gradients.reduce_stage_gradients`);
 [7] AdamW on this rank's shard; ZeRO-1/2 all-gather the updated parameters.
 
 Every collective of a step is counted and sorted by the mesh axis it ran on.
@@ -51,10 +52,10 @@ from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.memory import engine_census
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
-from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_rows
 from parallel_lib.training.data_axis import data_parallel_axis
 from parallel_lib.training.plan import Plan
+from parallel_lib.training.stage_gradients import reduce_stage_gradients
 from parallel_lib.training.step import pipeline_step, stage_on_device
 from parallel_lib.training.tp_stage import dense_state
 
@@ -161,6 +162,7 @@ class TrainResult:
     parameter_bytes: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)  # the first run.timeline_steps steps (lane: this rank)
+    peak_micro_batches: int = 0     # the most micro-batches whose activations this rank held at once
 
     @property
     def collectives(self) -> dict[str, tuple[int, int]]:
@@ -232,7 +234,7 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
     record, clock = TrainRecord(), DeviceClock([device])
     recorder, lane = TimelineRecorder(device=device), f"rank {pm.rank}"  # a GPU: CUDA events, read after the steps
-    counter, activations = CollectiveCounter(), 0
+    counter, activations, peak = CollectiveCounter(), 0, 0
     for k, batch in enumerate(global_batches(run, dp)):
         tokens = float(batch["label_token_weights"].sum())
         mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
@@ -243,14 +245,12 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
         timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
         start = clock()
         with count_collectives() as counter:
-            loss, saved = pipeline_step(stage, runner, link, pipeline, schedule, j, mine, tokens / dp,  # [5]
-                                        plan.recompute, forwards_before=k * plan.micro_batches, record=timed)
-            activations = activations if k else saved
-            engine.reduce_gradients()  # [6]
-            sync_sequence_parallel_grads(stage.model)
-            for p in stage.tied:  # the embedding's two copies: one sum over the pipeline's ends
-                wait_for(dist.all_reduce(engine.reduced_gradient(p), group=pm.group("tied"), async_op=True),
-                         run.timeout, f"{who}: tied embedding's gradient")
+            loss, saved, in_flight = pipeline_step(stage, runner, link, pipeline, schedule, j, mine,  # [5]
+                                                   tokens / dp, plan.recompute,
+                                                   forwards_before=k * plan.micro_batches, record=timed)
+            activations, peak = activations if k else saved, max(peak, in_flight)
+            comm = (lambda label: recorder.record(lane, "comm", None, label)) if traced else None
+            reduce_stage_gradients(engine, stage, pm, who, run.timeout, comm)  # [6]
             census = engine_census(engine)  # between backward and step: the most this rank holds
             engine.step()  # [7]
         record.append(loss / dp if stage.last else float("nan"), int(tokens), clock() - start)
@@ -260,14 +260,14 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     engine.remove()  # ZeRO-3: the full parameters back in the model
     state = dense_state(stage, pp, gather_dense(stage.model)) if run.return_state else {}
     return TrainResult(pm.rank, pm.coords, plan, record, traffic, wire, held, owned, activations, parameter_bytes,
-                       state if t == 0 else {}, list(recorder.events))
+                       state if t == 0 else {}, list(recorder.events), peak_micro_batches=peak)
 
 
 def _by_axis(counter: CollectiveCounter, pm: RankMesh) -> tuple[dict[str, dict[str, tuple[int, int]]],
                                                                 dict[str, float]]:
     """Sort one step's calls by the mesh axis they ran on: a group is known by its ranks."""
     axes = {tuple(pm.peers(a)): a for a in ("dp", "tp") if pm.size(a) > 1}
-    if pm.size("pp") > 1:
+    if pm.size("pp") > 1 and pm.index("pp") in (0, pm.size("pp") - 1):  # inner stages hold no tied copy
         axes[tuple(pm.peers("tied"))] = "tied"
     traffic: dict[str, dict[str, tuple[int, int]]] = {a: {} for a in ("dp", "tp", "pp", "tied")}
     wire = dict.fromkeys(traffic, 0.0)

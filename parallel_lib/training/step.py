@@ -35,7 +35,8 @@ Record = Callable[[str, int], ContextManager[Any]]  # (event kind, micro-batch) 
 
 def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLink, pipeline: list[int],
                   schedule: Schedule, j: int, batch: dict[str, torch.Tensor], denominator: float,
-                  recompute: bool, forwards_before: int = 0, record: Optional[Record] = None) -> tuple[float, int]:
+                  recompute: bool, forwards_before: int = 0, record: Optional[Record] = None
+                  ) -> tuple[float, int, int]:
     """Stage j's actions of ``schedule`` for one replica batch; the gradients accumulate in the stage.
 
     Dropout: the model's masks depend on its forward-call number
@@ -59,9 +60,10 @@ def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLi
             lane); None: untimed.
 
     Returns:
-        The sum of the micro-batches' losses on the last stage (0.0 elsewhere), and the most bytes
+        The sum of the micro-batches' losses on the last stage (0.0 elsewhere), the most bytes
         autograd held saved for backward at once on this rank during the step (one micro-batch's
-        forward when there is one micro-batch).
+        forward when there is one micro-batch), and the most micro-batches whose activations it
+        held at once (GPipe: all of them; 1F1B: at most the stages from this one to the last).
     """
     m = schedule.num_micro_batches
     ids, labels, weights = (torch.tensor_split(batch[k], m) for k in ("input_ids", "labels", "label_token_weights"))
@@ -77,7 +79,7 @@ def pipeline_step(stage: TensorParallelStage, runner: StageRunner, link: StageLi
 
     stages = RankStages(schedule, j, {j: runner}, ids, loss=loss, recompute=lambda i: recompute, timed=numbered)
     run_actions(schedule, j, stages, ProcessLink(schedule, j, link, pipeline, spec))
-    return stages.loss_sum(), stages.peak_bytes
+    return stages.loss_sum(), stages.peak_bytes, stages.peak
 
 
 def stage_on_device(shard: nn.Module, j: int, pp: int, device: torch.device, keep_shard: bool) -> TensorParallelStage:

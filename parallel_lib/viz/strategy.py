@@ -1,7 +1,7 @@
 """Choosing a strategy, drawn: the planner's options, the decision map, the widget, measured bars.
 
 Every number drawn here comes from :func:`parallel_lib.planner.strategy.plan` (estimates) or
-from the measured runs of :mod:`parallel_lib.planner.compare` and :mod:`parallel_lib.hybrid`;
+from the measured runs of :mod:`parallel_lib.planner.compare` and :mod:`parallel_lib.training` (chapter 05's DP × PP);
 the widget only calls :func:`plot_plan` and ``Plan.explain`` again when a control
 changes, so the static figure and the interactive one are the same picture.
 """
