@@ -49,7 +49,7 @@ SCHEDULE_LAB_STUB = f'''\
 # Targets: bubble <= {BUBBLE_TARGET} (simulate_schedule(...).bubble) with at most {PEAK_LIMIT} micro-batches held
 # by any rank (F done, W not yet). Write each rank's actions in order, as in print(make_schedule(...)):
 # one string per rank such as "F0 F1 B0 W0 ..." (a Schedule, or lists of Action, work too).
-# To see yours: render_schedule(as_lab_schedule(schedule_lab), COSTS), with
+# To see yours: render_schedule(as_lab_schedule(schedule_lab), stage_costs=COSTS), with
 # from parallel_lib.exercises.ch08_schedule_lab import COSTS, as_lab_schedule
 schedule_lab = None  # your answer: [rank 0's actions, rank 1's, rank 2's, rank 3's]
 '''
