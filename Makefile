@@ -18,10 +18,11 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=lab $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # `make reset NB=03` puts lab/03_*.ipynb back as shipped (the student's copy is overwritten);
+# `make reset NB=08` resets both halves of chapter 08 (08a_*, 08b_*), `NB=08b` one of them;
 # `make reset` with no NB resets every chapter.
 reset:
 	@mkdir -p lab
-	@for nb in notebooks/$(if $(NB),$(NB)_,)*.ipynb; do cp -v "$$nb" lab/; done
+	@for nb in notebooks/$(if $(NB),$(NB)[_ab]*,*).ipynb; do cp -v "$$nb" lab/; done
 
 test: test-unit test-notebooks
 
