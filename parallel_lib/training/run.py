@@ -19,9 +19,9 @@ A step on rank ``(d, j, t)``:
 [5] run stage j's actions of the schedule with the one pipeline runtime
     (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), exchanging with slice t of the
     neighbouring stages over ``pm.group("pp")``, one ``batch_isend_irecv`` per exchange; each
-    micro-batch's forward is numbered for the model's seeded dropout masks as one process numbers
-    its forwards (with one replica and one micro-batch, dropout drops what
-    :func:`~parallel_lib.training.reference` drops: chapter 07's proof);
+    micro-batch's forward is numbered for the model's seeded dropout masks (drawn per replica) as
+    ``reference(run, dp=dp, micro_batches=m)`` numbers its forwards, so with dropout too every
+    layout drops what one process drops (chapter 07's proof);
 [6] reduce the gradients over dp (ZeRO's reduce-scatter or all-reduce), sum the
     sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends
     (:func:`~parallel_lib.training.stage_gradients.reduce_stage_gradients`);
