@@ -43,7 +43,8 @@ def book(tmp_path_factory):
     figures.mkdir()
     (figures / "tiny_static.png").write_bytes((ROOT / "figures" / "setup_all_reduce.png").read_bytes())
     first = nbformat.v4.new_notebook()
-    first.cells = [nbformat.v4.new_markdown_cell("# 00 · First steps\n\n![a stored figure](../figures/tiny_static.png)"),
+    first.cells = [nbformat.v4.new_markdown_cell("# 00 · First steps\n\n"
+                                                  "![a stored figure](../figures/tiny_static.png)"),
                    nbformat.v4.new_code_cell("print(6 * 7)"),
                    nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")]
     second = nbformat.v4.new_notebook()
@@ -51,7 +52,8 @@ def book(tmp_path_factory):
                     # an Output widget drawn into, as the course's panels do (viz.widgets.figure_panel)
                     nbformat.v4.new_code_cell("import ipywidgets\n\ndef tiny_widget():\n"
                                               "    out = ipywidgets.Output()\n    with out:\n        print('drawn')\n"
-                                              "    return ipywidgets.VBox([ipywidgets.IntSlider(), out])\n\ntiny_widget()"),
+                                              "    return ipywidgets.VBox([ipywidgets.IntSlider(), out])\n"
+                                              "\ntiny_widget()"),
                     nbformat.v4.new_code_cell("ipywidgets.IntSlider()")]
     # written in reverse order: the index follows the file names, not the command line
     nbformat.write(second, src / "notebooks" / "01_widget.ipynb")
@@ -79,6 +81,8 @@ def test_every_local_link_of_the_book_resolves(book):
     out, _ = book
     pages = [out / "index.html", *sorted((out / "notebooks").glob("*.html")), *sorted((out / "pages").glob("*.html"))]
     assert len(pages) == 4
+    for page in pages[1:]:
+        assert 'href="../index.html"' in page.read_text(), f"{page.name} does not lead back to the index"
     for page in pages:
         for link in _local_links(page):
             assert (page.parent / link.split("#")[0]).resolve().exists(), f"{page.name}: {link} is broken"

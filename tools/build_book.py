@@ -37,6 +37,7 @@ from nbclient.exceptions import CellExecutionError
 from nbconvert import HTMLExporter
 
 ROOT = Path(__file__).resolve().parent.parent
+BACK = '<p><a href="../index.html">&larr; the course\'s contents</a></p>'  # atop every page, one folder down
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 # The function a cell calls to show a widget -> the stem of its static image under figures/.
@@ -99,7 +100,7 @@ def machine_header(machine: Mapping[str, Any]) -> str:
     """
     gpus = ", ".join(machine["gpus"]) or "no GPU"
     text = (f"Ran on {machine['cpu']}, {machine['cores']} cores ({machine['system']}), {gpus}; "
-            f"torch {machine['torch']}; {machine['date']}. Every timing on this page was measured there.")
+            f"torch {machine['torch']}; {machine['date']}. Every number the chapters measure was measured there.")
     return (f'<div class="book-machine" style="font-size:0.85em;border:1px solid #ccc;'
             f'padding:0.4em 0.8em;margin-bottom:1em">{html.escape(text)}</div>')
 
@@ -183,7 +184,8 @@ def replace_widgets(nb: nbformat.NotebookNode, chapter: str, figures_url: str, f
                         f'style="max-width:100%"><figcaption><em>An interactive widget in JupyterLab; here its '
                         f'static image from <code>figures/{html.escape(stem)}.png</code>.</em></figcaption></figure>')
             else:
-                body = "<p><em>An interactive widget: run this notebook in JupyterLab (<code>make lab</code>) to use it.</em></p>"
+                body = ("<p><em>An interactive widget: run this notebook in JupyterLab (<code>make lab</code>) "
+                        "to use it.</em></p>")
             outputs.append(nbformat.v4.new_output("display_data", data={"text/html": body}))
         cell.outputs = outputs
     return replaced
@@ -247,7 +249,7 @@ def markdown_page(path: Path) -> tuple[str, str]:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_markdown_cell(path.read_text())]
     title = chapter_title(nb, path.stem)
-    return title, render(nb, title, "")
+    return title, render(nb, title, BACK)
 
 
 def index_page(chapters: Sequence[tuple[str, str]], pages: Sequence[tuple[str, str]], header: str) -> str:
@@ -321,7 +323,7 @@ def build_book(notebooks: Sequence[Path], out: Path, pages: Sequence[Path] = (),
         nb = execute(path, timeout)
         replace_widgets(nb, chapter_number(path), "../figures", figures, widget_figures)
         title = chapter_title(nb, path.stem)
-        (out / "notebooks" / f"{path.stem}.html").write_text(render(nb, title, header), encoding="utf-8")
+        (out / "notebooks" / f"{path.stem}.html").write_text(render(nb, title, BACK + header), encoding="utf-8")
         chapters.append((f"notebooks/{path.stem}.html", title))
         print(f"{path}: executed and rendered in {time.perf_counter() - start:.1f} s", flush=True)
     links = []
