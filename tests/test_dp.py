@@ -134,7 +134,6 @@ def test_timeline_records_bucket_all_reduces_during_backward(launched):
     (Plan(dp=1, tp=2, sync="naive", micro_batches=1), SMALL, "tp=1"),
     (Plan(dp=1, pp=2, sync="ring", micro_batches=1), SMALL, "pp=1"),
     (Plan(dp=2, sync="bucketed"), replace(SMALL, batch_size=8), "micro_batches=1"),
-    (Plan(dp=2, sync="ddp", micro_batches=2), replace(SMALL, batch_size=8), "micro_batches=1"),
     (Plan(dp=2, sync="zero", micro_batches=1), SMALL, "optimizer='adamw'"),
     (dp_plan(2, "naive"), replace(SMALL, optimizer="lamb"), "optimizer"),
     (dp_plan(2, "naive"), replace(SMALL, batch_size=0), "batch_size"),

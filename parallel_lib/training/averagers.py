@@ -10,7 +10,8 @@ them to :func:`~parallel_lib.training.run.train` as the axis it drives every ste
     "bucketed"  BucketedAllReduce: flat buckets of run.bucket_cap_mb, launched from backward's
                 gradient hooks when run.overlap (the all-reduce overlaps backward)
     "ring"      BucketedAllReduce whose buckets go through chapter 02's ring_all_reduce
-    "ddp"       PyTorch's DistributedDataParallel wraps the stage (its own hooks and buckets)
+    "ddp"       PyTorch's DistributedDataParallel wraps the stage (its own hooks and buckets;
+                built by :mod:`.torch_sharding`, which chapter 06 shares, with ``run.optimizer``)
     "none"      nothing: the replicas drift apart (chapter 01's "why must ranks talk?", and
                 the benchmark's one-rank baseline)
 
@@ -29,7 +30,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.data_parallel.allreduce import BucketedAllReduce, average_gradients, grad_or_zeros
@@ -37,14 +37,15 @@ from parallel_lib.data_parallel.ring import ring_all_reduce
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.memory import optimizer_tensors, storage_census
 
-__all__ = ["AVERAGERS", "OPTIMIZERS", "AveragingAxis", "check_averager", "averager_axis"]
+__all__ = ["AVERAGERS", "OPTIMIZERS", "AveragingAxis", "make_optimizer", "check_averager", "check_optimizer",
+           "averager_axis"]
 
 AVERAGERS = ("naive", "bucketed", "ring", "ddp", "none")
 OPTIMIZERS = ("adamw", "sgd")
 # averagers that reduce over every rank of the job (the default group), not over the dp axis's group
 WHOLE_WORLD = ("naive", "ring")
-# averagers that start reducing inside backward, from gradient hooks: one backward per step
-IN_BACKWARD = ("bucketed", "ddp")
+# averagers that start reducing inside backward, from gradient hooks, and refuse a second backward per step
+IN_BACKWARD = ("bucketed",)
 
 
 def make_optimizer(run: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -84,6 +85,10 @@ class AveragingAxis:
         """``param``'s averaged gradient (zeros if backward gave it none)."""
         return grad_or_zeros(param)
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch's own clip of the averaged gradients (every replica holds all of them)."""
+        return torch.nn.utils.clip_grad_norm_(self.master, max_norm)
+
     def step(self) -> None:
         """This replica's optimizer step; the gradients are cleared for the next step."""
         self.optimizer.step()
@@ -104,15 +109,10 @@ def averager_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[
     """``plan.sync``'s averager over ``pm.group("dp")`` for this rank's ``stage`` (a ``SYNCS`` entry).
 
     Returns:
-        The module the pipeline runtime runs (the stage; DDP's wrapper for ``"ddp"``) and the axis.
+        The module the pipeline runtime runs (the stage) and the axis.
     """
     group, cap = pm.group("dp"), run.bucket_cap_mb
     optimizer = make_optimizer(run, [p for p in stage.parameters() if p.requires_grad])
-    if plan.sync == "ddp":  # DDP averages inside backward, from its own hooks: nothing is left to do after it
-        device = next(stage.parameters()).device
-        wrapped = DistributedDataParallel(stage, bucket_cap_mb=cap, process_group=group,
-                                          device_ids=[device] if device.type == "cuda" else None)
-        return wrapped, AveragingAxis(stage, None, optimizer)
     if plan.sync == "none":
         return stage, AveragingAxis(stage, None, optimizer)
     if plan.sync == "naive":
@@ -129,16 +129,13 @@ def check_averager(plan: Any) -> None:
     """Refuse, naming the field, a plan whose ``sync`` is one of :data:`AVERAGERS` and cannot run it.
 
     Raises:
-        ValueError: ``zero`` > 0 (an averager keeps the whole optimizer state: ZeRO is ``sync="zero"``);
-            ``naive`` or ``ring`` with ``tp`` or ``pp`` > 1 (they average over every rank of the job,
-            not over the dp axis); ``bucketed`` or ``ddp`` with ``micro_batches`` > 1 (they reduce from
-            backward's gradient hooks: one backward per step).
+        ValueError: ``naive`` or ``ring`` with ``tp`` or ``pp`` > 1 (they average over every rank of the
+            job, not over the dp axis); ``bucketed`` with ``micro_batches`` > 1 (it reduces from
+            backward's gradient hooks: one backward per step). (``Plan.check`` refuses ``zero`` > 0
+            with every sync but ``"zero"``.)
     """
     if plan.sync not in AVERAGERS:
         return
-    if plan.zero:
-        raise ValueError(f"sync={plan.sync!r} averages whole gradients and keeps the whole optimizer state; "
-                         f"zero={plan.zero} shards them: use sync='zero' for ZeRO, or zero=0")
     if plan.sync in WHOLE_WORLD:
         for axis in ("tp", "pp"):
             if getattr(plan, axis) > 1:
