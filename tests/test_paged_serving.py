@@ -205,7 +205,7 @@ def test_prefix_caching_under_a_small_pool_evicts_and_keeps_hugging_face_tokens(
     again = ServingEngine(model, num_blocks=6, block_size=4, max_batch=4, prefix_caching=True)
     again.run(REQUESTS[:3])
     assert [r.tokens for r in again.run(REQUESTS)] == expected               # some blocks hit, some evicted
-    assert again.blocks.hit_blocks > 0 and again.blocks.num_free() == 6
+    assert again.blocks.hit_blocks > 0 and again.blocks.evicted > 0 and again.blocks.num_free() == 6
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -232,3 +232,11 @@ def test_bad_arguments_and_requests_are_refused_by_name(model, expected):
     bad = ServingEngine(model, num_blocks=8, block_size=4).run([Request([1, 500], 3), Request(PROMPTS[1], 3)])
     assert "outside the vocabulary" in bad[0].error and bad[0].tokens == []
     assert bad[1].tokens == expected[1]
+
+
+def test_a_flattened_step_longer_than_the_models_context_is_fine(model):
+    requests = [Request([(7 * i + j) % 97 for j in range(20)], 3) for i in range(8)]   # 160 prompt tokens > 128
+    engine = ServingEngine(model, num_blocks=48, block_size=4, max_batch=8)
+    results = engine.run(requests)
+    assert len(engine.records[0].prefill) == 8 and sum(len(r.prompt) for r in requests) > model.config.n_positions
+    assert [r.tokens for r in results] == [r.tokens for r in Engine.single(model, 8, 22).generate(requests)]

@@ -54,6 +54,7 @@ class BlockManager:
         self.cache = PrefixCache()
         self.hit_blocks = 0     # blocks taken from the prefix cache instead of computed
         self.looked_up = 0      # full prompt blocks looked up in it
+        self.evicted = 0        # cached blocks forgotten to make room
 
     # --- counting -------------------------------------------------------------------------------
     def num_free(self) -> int:
@@ -93,6 +94,7 @@ class BlockManager:
         block = self.cache.evict()
         if block is None:
             raise RuntimeError("the block pool is exhausted; check can_allocate / can_append first")
+        self.evicted += 1
         return block
 
     def allocate(self, seq: Hashable, tokens: Sequence[int]) -> int:

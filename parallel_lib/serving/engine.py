@@ -3,12 +3,17 @@
 Each :meth:`ServingEngine.step` is one forward pass of the one GPT-2 (:mod:`parallel_lib.models`)::
 
     scheduler.schedule()            which sequences run, each feeding tokens[computed:]
-    one padded batch (b, s)         prefills (whole prompts) and decodes (one token) side by side
-    model.transformer(..., cache=PagedStep)   attention writes and reads the pool through block tables
+    one flattened row (1, s)        prefills (whole prompts) and decodes (one token) side by side, no padding
+    the one GPT-2's blocks, cache=PagedStep   attention writes and reads the pool through block tables
     sample each row's last logits   chapter 09's sample(): greedy or the request's own seeded stream
     finished ones free their blocks
 
-and appends a :class:`StepRecord`: which requests ran (prefill or decode), which were admitted,
+The batch is *flattened*, as vLLM lays it out: the new tokens of every sequence one after another in
+one row, with no padding, and a mask letting each query see only its own sequence's keys up to its
+position (the keys being each sequence's slots gathered in turn). A step that prefills a 40-token
+prompt beside seven decodes computes 47 tokens, not eight rows padded to 40.
+
+Each step appends a :class:`StepRecord`: which requests ran (prefill or decode), which were admitted,
 preempted or finished, every running request's block table and length, and the free blocks. The
 widget of the chapter replays these records; :mod:`.waste` measures memory from them.
 
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence as Seq
 
 import torch
+import torch.nn.functional as F
 
 from parallel_lib.common.checks import check_number, positive_int
 from parallel_lib.inference.batch import Request, Result, check_requests, sample
@@ -151,25 +157,32 @@ class ServingEngine:
         return [self.results[first + i] for i in range(len(requests))]
 
     def _inputs(self, plan: Scheduled) -> tuple[torch.Tensor, ...]:
-        """The padded batch of a step: ids, positions, write slots, valid, read slots, allowed, last."""
-        bs, seqs = self.block_size, plan.sequences
-        lengths = [len(s.tokens) for s in seqs]
-        fed = [n - c for n, c in zip(lengths, plan.starts)]
-        b, s, T = len(seqs), max(fed), max(lengths)
-        ids = torch.zeros(b, s, dtype=torch.long)
-        positions = torch.zeros(b, s, dtype=torch.long)
-        write = torch.zeros(b, s, dtype=torch.long)
-        read = torch.zeros(b, T, dtype=torch.long)
-        for row, (seq, start, n) in enumerate(zip(seqs, plan.starts, lengths)):
-            table = self.blocks.tables[seq.id]
-            ids[row, :n - start] = torch.tensor(seq.tokens[start:])
-            positions[row] = torch.arange(start, start + s).clamp_max(n - 1)  # padding repeats the last position
-            write[row, :n - start] = torch.tensor(slots_of(table, start, n, bs))
-            read[row, :n] = torch.tensor(slots_of(table, 0, n, bs))
-        valid = torch.arange(s)[None, :] < torch.tensor(fed)[:, None]                     # (b, s)
-        allowed = torch.arange(T)[None, None, :] <= positions[:, :, None]                  # (b, s, T): causal
-        last = torch.tensor(fed) - 1
-        return tuple(t.to(self.device) for t in (ids, positions, write, valid, read, allowed[:, None], last))
+        """One step's batch, flattened: every sequence's new tokens side by side in one row, no padding.
+
+        Returns ids (1, s), positions (1, s), write slots (1, s), valid (1, s), read slots (1, T) (every
+        sequence's tokens, one sequence after another), allowed (1, 1, s, T) (a query sees the keys of its
+        own sequence up to its position) and the index of each sequence's last new token (b,).
+        """
+        bs = self.block_size
+        ids, positions, write, read, owner_q, owner_k, key_pos, last = [], [], [], [], [], [], [], []
+        for row, (seq, start) in enumerate(zip(plan.sequences, plan.starts)):
+            tokens, table = seq.tokens, self.blocks.tables[seq.id]
+            n = len(tokens)
+            ids += tokens[start:]
+            positions += range(start, n)
+            write += slots_of(table, start, n, bs)
+            read += slots_of(table, 0, n, bs)
+            owner_q += [row] * (n - start)
+            owner_k += [row] * n
+            key_pos += range(n)
+            last.append(len(ids) - 1)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long)[None]  # noqa: E731  (1, len)
+        ids_t, pos_t, write_t, read_t = as_long(ids), as_long(positions), as_long(write), as_long(read)
+        oq, ok, kp = as_long(owner_q)[0], as_long(owner_k)[0], as_long(key_pos)[0]
+        allowed = (oq[:, None] == ok[None, :]) & (kp[None, :] <= pos_t[0][:, None])         # (s, T)
+        valid = torch.ones_like(ids_t, dtype=torch.bool)
+        return tuple(t.to(self.device) for t in (ids_t, pos_t, write_t, valid, read_t, allowed[None, None],
+                                                 torch.tensor(last)))
 
     @torch.no_grad()
     def step(self) -> Optional[StepRecord]:
@@ -182,9 +195,13 @@ class ServingEngine:
             return None
         ids, positions, write, valid, read, allowed, last = self._inputs(plan)
         store = self.cache.at(write, valid, read)
-        hidden = self.model.transformer(ids, positions=positions, allowed=allowed, cache=store)
-        rows = torch.arange(len(plan.sequences), device=hidden.device)
-        logits = self.model.lm_head(hidden[rows, last]).float().cpu()                  # (b, V)
+        body = self.model.transformer
+        # the flattened row may be longer than n_positions (many prompts side by side): every position in it
+        # is a real one (below n_positions, checked when added), so look them up without the table's length check
+        x = body.wte(ids) + F.embedding(positions, body.wpe.weight)                    # (1, s, h)
+        for block in body.h:
+            x = block(x, allowed, store)
+        logits = self.model.lm_head(body.ln_f(x[0, last])).float().cpu()               # (b, V)
         now = self.now()
         prefill = [s.id for s, c in zip(plan.sequences, plan.starts) if s.id in plan.admitted or len(s.tokens) - c > 1]
         decode = [s.id for s in plan.sequences if s.id not in prefill]
