@@ -3,15 +3,19 @@
 Each :meth:`ServingEngine.step` is one forward pass of the one GPT-2 (:mod:`parallel_lib.models`)::
 
     scheduler.schedule()            which sequences run, each feeding tokens[computed:]
-    one flattened row (1, s)        prefills (whole prompts) and decodes (one token) side by side, no padding
+    one batch, flat or padded       prefills (whole prompts) and decodes (one token) side by side
     the one GPT-2's blocks, cache=PagedStep   attention writes and reads the pool through block tables
     sample each row's last logits   chapter 09's sample(): greedy or the request's own seeded stream
     finished ones free their blocks
 
-The batch is *flattened*, as vLLM lays it out: the new tokens of every sequence one after another in
-one row, with no padding, and a mask letting each query see only its own sequence's keys up to its
-position (the keys being each sequence's slots gathered in turn). A step that prefills a 40-token
-prompt beside seven decodes computes 47 tokens, not eight rows padded to 40.
+A step's batch is laid out one of two ways, whichever computes less (:meth:`ServingEngine.flatten`):
+*flat*, as vLLM lays it out, the new tokens of every sequence one after another in one row, no padding,
+with a mask letting each query see only its own sequence's keys up to its position (a step that
+prefills a 40-token prompt beside seven decodes computes 47 token rows, not eight rows padded to 40);
+or *padded*, a row per sequence (decodes alone: one token each, and no query scores another
+sequence's keys). vLLM's attention kernel reads each sequence's blocks in place and needs neither;
+here the model's own attention runs on gathered keys, so the layout is the engine's choice. Each
+record says which (``flat``).
 
 Each step appends a :class:`StepRecord`: which requests ran (prefill or decode), which were admitted,
 preempted or finished, every running request's block table and length, and the free blocks. The
@@ -56,6 +60,7 @@ class StepRecord:
         lengths: tokens each of them holds in the pool after the step (its computed tokens).
         free_blocks: blocks free (or evictable) after the step.
         start, end: seconds on the engine's clock.
+        flat: the step ran flat (one row) rather than padded (a row per sequence).
     """
 
     step: int
@@ -69,6 +74,7 @@ class StepRecord:
     free_blocks: int
     start: float
     end: float
+    flat: bool = False
 
 
 class ServingEngine:
@@ -156,33 +162,60 @@ class ServingEngine:
             self.step()
         return [self.results[first + i] for i in range(len(requests))]
 
-    def _inputs(self, plan: Scheduled) -> tuple[torch.Tensor, ...]:
-        """One step's batch, flattened: every sequence's new tokens side by side in one row, no padding.
+    def flatten(self, plan: Scheduled) -> bool:
+        """Whether to lay this step out flat (one row) or padded (a row per sequence): whichever computes less.
 
-        Returns ids (1, s), positions (1, s), write slots (1, s), valid (1, s), read slots (1, T) (every
-        sequence's tokens, one sequence after another), allowed (1, 1, s, T) (a query sees the keys of its
-        own sequence up to its position) and the index of each sequence's last new token (b,).
+        Per layer and token row the projections and the MLP cost about ``12 h`` multiply-adds per feature,
+        and each attention score about 2: flat computes ``sum(fed)`` rows and ``sum(fed) · sum(len)``
+        scores (every query against every sequence's keys, most masked), padded ``b · max(fed)`` rows and
+        ``b · max(fed) · max(len)`` scores. Decodes alone are cheaper padded; a prompt beside them, flat.
         """
-        bs = self.block_size
-        ids, positions, write, read, owner_q, owner_k, key_pos, last = [], [], [], [], [], [], [], []
-        for row, (seq, start) in enumerate(zip(plan.sequences, plan.starts)):
-            tokens, table = seq.tokens, self.blocks.tables[seq.id]
-            n = len(tokens)
-            ids += tokens[start:]
-            positions += range(start, n)
+        fed = [len(s.tokens) - c for s, c in zip(plan.sequences, plan.starts)]
+        lengths = [len(s.tokens) for s in plan.sequences]
+        h = self.model.config.n_embd
+        flat = sum(fed) * 12 * h + 2 * sum(fed) * sum(lengths)
+        padded = len(fed) * max(fed) * 12 * h + 2 * len(fed) * max(fed) * max(lengths)
+        return flat < padded
+
+    def _inputs(self, plan: Scheduled, flat: bool) -> tuple[torch.Tensor, ...]:
+        """One step's batch: ids, positions, write slots, valid (R, S); read slots (R, T); allowed (R, 1, S, T);
+        and each sequence's last new token as (rows, columns).
+
+        Flat: R = 1, every sequence's new tokens (and its keys) one after another. Padded: a row per
+        sequence, right-padded. A query sees the keys of its own sequence up to its position; padding
+        (queries and keys) belongs to no sequence.
+        """
+        bs, seqs = self.block_size, plan.sequences
+        lengths = [len(s.tokens) for s in seqs]
+        fed = [n - c for n, c in zip(lengths, plan.starts)]
+        R, S, T = (1, sum(fed), sum(lengths)) if flat else (len(seqs), max(fed), max(lengths))
+        # built as Python lists, one row per tensor row, and turned into tensors once (small steps are
+        # dominated by this bookkeeping, not by the model)
+        q_rows: list[list[list[int]]] = [[[], [], [], []] for _ in range(R)]  # ids, positions, write, owner
+        k_rows: list[list[list[int]]] = [[[], [], []] for _ in range(R)]      # read, key position, owner
+        rows, cols = [], []
+        for i, (seq, start, n) in enumerate(zip(seqs, plan.starts, lengths)):
+            r, table = (0 if flat else i), self.blocks.tables[seq.id]
+            ids, pos, write, q_owner = q_rows[r]
+            ids += seq.tokens[start:]
+            pos += range(start, n)
             write += slots_of(table, start, n, bs)
+            q_owner += [i] * (n - start)
+            read, key_pos, k_owner = k_rows[r]
             read += slots_of(table, 0, n, bs)
-            owner_q += [row] * (n - start)
-            owner_k += [row] * n
             key_pos += range(n)
-            last.append(len(ids) - 1)
-        as_long = lambda x: torch.tensor(x, dtype=torch.long)[None]  # noqa: E731  (1, len)
-        ids_t, pos_t, write_t, read_t = as_long(ids), as_long(positions), as_long(write), as_long(read)
-        oq, ok, kp = as_long(owner_q)[0], as_long(owner_k)[0], as_long(key_pos)[0]
-        allowed = (oq[:, None] == ok[None, :]) & (kp[None, :] <= pos_t[0][:, None])         # (s, T)
-        valid = torch.ones_like(ids_t, dtype=torch.bool)
-        return tuple(t.to(self.device) for t in (ids_t, pos_t, write_t, valid, read_t, allowed[None, None],
-                                                 torch.tensor(last)))
+            k_owner += [i] * n
+            rows.append(r)
+            cols.append(len(ids) - 1)
+        pad = lambda lists, width, fill: [row + [fill] * (width - len(row)) for row in lists]  # noqa: E731
+        ids, positions, write = (torch.tensor(pad([q[j] for q in q_rows], S, 0)) for j in range(3))
+        q_owner = torch.tensor(pad([q[3] for q in q_rows], S, -1))
+        read, key_pos = (torch.tensor(pad([k[j] for k in k_rows], T, 0)) for j in range(2))
+        k_owner = torch.tensor(pad([k[2] for k in k_rows], T, -2))
+        allowed = (q_owner[:, :, None] == k_owner[:, None, :]) & (key_pos[:, None, :] <= positions[:, :, None])
+        valid = q_owner >= 0
+        return tuple(t.to(self.device) for t in (ids, positions, write, valid, read, allowed[:, None],
+                                                 torch.tensor(rows), torch.tensor(cols)))
 
     @torch.no_grad()
     def step(self) -> Optional[StepRecord]:
@@ -193,15 +226,16 @@ class ServingEngine:
             if self.scheduler.waiting:
                 raise RuntimeError("no sequence could be scheduled while requests wait: the pool is too small")
             return None
-        ids, positions, write, valid, read, allowed, last = self._inputs(plan)
+        flat = self.flatten(plan)
+        ids, positions, write, valid, read, allowed, rows, cols = self._inputs(plan, flat)
         store = self.cache.at(write, valid, read)
         body = self.model.transformer
-        # the flattened row may be longer than n_positions (many prompts side by side): every position in it
-        # is a real one (below n_positions, checked when added), so look them up without the table's length check
-        x = body.wte(ids) + F.embedding(positions, body.wpe.weight)                    # (1, s, h)
+        # a flat row may be longer than n_positions (many prompts side by side): every position in it is a
+        # real one (below n_positions, checked when added), so look them up without the table's length check
+        x = body.wte(ids) + F.embedding(positions, body.wpe.weight)                    # (R, S, h)
         for block in body.h:
             x = block(x, allowed, store)
-        logits = self.model.lm_head(body.ln_f(x[0, last])).float().cpu()               # (b, V)
+        logits = self.model.lm_head(body.ln_f(x[rows, cols])).float().cpu()            # (b, V)
         now = self.now()
         prefill = [s.id for s, c in zip(plan.sequences, plan.starts) if s.id in plan.admitted or len(s.tokens) - c > 1]
         decode = [s.id for s in plan.sequences if s.id not in prefill]
@@ -223,7 +257,7 @@ class ServingEngine:
                 self.scheduler.finish(seq)
                 finished.append(seq.id)
         record = StepRecord(len(self.records), prefill, decode, plan.admitted, plan.preempted, finished, tables,
-                            {s.id: s.computed for s in plan.sequences}, self.blocks.num_free(), start, now)
+                            {s.id: s.computed for s in plan.sequences}, self.blocks.num_free(), start, now, flat)
         self.records.append(record)
         return record
 
