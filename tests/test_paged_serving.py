@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel_lib.bench.__main__ import main as bench_dispatch
 from parallel_lib.inference import Engine, Request, ServeConfig
 from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, ServingEngine, block_hashes, blocks_for,
-                                  kv_waste, slots_of)
+                                  kv_waste, poisson_trace, replay_continuous, replay_static, slots_of, trace_metrics)
 
 CONFIG = ServeConfig(initializer_range=0.3)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [40, 41, 42], list(range(20, 33))]
@@ -240,3 +241,44 @@ def test_a_flattened_step_longer_than_the_models_context_is_fine(model):
     results = engine.run(requests)
     assert len(engine.records[0].prefill) == 8 and sum(len(r.prompt) for r in requests) > model.config.n_positions
     assert [r.tokens for r in results] == [r.tokens for r in Engine.single(model, 8, 22).generate(requests)]
+
+
+# --- the trace and the benchmark -----------------------------------------------------------------
+
+def test_a_poisson_trace_is_seeded_starts_at_zero_and_keeps_lengths_in_their_ranges():
+    trace = poisson_trace(50, 10.0, (3, 9), (1, 4), 97, seed=3)
+    assert trace == poisson_trace(50, 10.0, (3, 9), (1, 4), 97, seed=3) != poisson_trace(50, 10.0, (3, 9), (1, 4),
+                                                                                         97, seed=4)
+    times = [a.time for a in trace]
+    assert times[0] == 0.0 and times == sorted(times)
+    assert 2.0 < times[-1] < 10.0                                  # 49 gaps of mean 0.1 s
+    assert {len(a.request.prompt) for a in trace} <= set(range(3, 10))
+    assert {a.request.max_new_tokens for a in trace} == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match="rate"):
+        poisson_trace(5, 0.0, (3, 9), (1, 4), 97)
+    with pytest.raises(ValueError, match=r"prompt_lengths must be \(low, high\) with low <= high"):
+        poisson_trace(5, 1.0, (9, 3), (1, 4), 97)
+    with pytest.raises(TypeError, match="output_lengths"):
+        poisson_trace(5, 1.0, (3, 9), 4, 97)
+
+
+def test_static_and_continuous_replays_of_one_trace_give_the_same_tokens_and_times_on_its_clock(model):
+    trace = poisson_trace(6, 500.0, (2, 8), (1, 6), 97, seed=1)
+    static = replay_static(Engine.single(model, max_batch=3, max_len=14), trace)
+    paged = ServingEngine(model, num_blocks=12, block_size=4, max_batch=3)
+    continuous = replay_continuous(paged, trace)
+    assert [r.tokens for r in static] == [r.tokens for r in continuous]
+    assert [len(r.tokens) for r in continuous] == [a.request.max_new_tokens for a in trace]
+    for results in (static, continuous):
+        assert [r.arrival for r in results] == [a.time for a in trace]
+        assert all(r.token_times[0] > r.arrival for r in results)
+    metrics = trace_metrics(continuous)
+    assert metrics.tokens == sum(a.request.max_new_tokens for a in trace) and metrics.throughput > 0
+    assert metrics.ttft_p50 <= metrics.ttft_p99
+
+
+def test_the_serving_benchmark_quick_run_prints_both_engines(capsys):
+    assert bench_dispatch(["serving", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| static (chapter 09) | 8 |" in out and "| continuous, paged (chapter 13) | 8 |" in out
+    assert "same tokens for every request: yes" in out

@@ -35,10 +35,10 @@ class Config:
     """The trace and the engines' limits."""
 
     requests: int = 64
-    rate: float = 40.0
-    prompt_lengths: tuple[int, int] = (4, 48)
-    output_lengths: tuple[int, int] = (2, 64)
-    max_batch: int = 8
+    rate: float = 100.0
+    prompt_lengths: tuple[int, int] = (4, 32)
+    output_lengths: tuple[int, int] = (1, 96)
+    max_batch: int = 16
     block_size: int = 16
     seed: int = 0
     threads: int = 1
@@ -108,7 +108,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench serving", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
     parser.add_argument("--requests", type=int, help="requests in the trace (default 64)")
-    parser.add_argument("--rate", type=float, help="mean arrivals per second (default 40)")
+    parser.add_argument("--rate", type=float, help="mean arrivals per second (default 100)")
     parser.add_argument("--seed", type=int, help="the trace's seed (default 0)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default 1)")
     args = parser.parse_args(argv)

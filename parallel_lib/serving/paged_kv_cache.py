@@ -61,7 +61,8 @@ class PagedKVCache:
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("layers must name at least one layer, got layers=[]")
-        self.num_blocks, self.block_size = positive_int("num_blocks", num_blocks), positive_int("block_size", block_size)
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_size = positive_int("block_size", block_size)
         self.heads, self.head_dim = positive_int("heads", heads), positive_int("head_dim", head_dim)
         shape = (num_blocks * block_size, heads, head_dim)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.layers}
@@ -72,7 +73,10 @@ class PagedKVCache:
         return PagedStep(self, write, valid, read)
 
     def nbytes(self) -> int:
-        """Bytes of the pool's tensors (storage census): ``2 · layers · num_blocks · block_size · heads · d · itemsize``."""
+        """Bytes of the pool's tensors (storage census).
+
+        Equals ``2 · layers · num_blocks · block_size · heads · head_dim · itemsize``.
+        """
         return sum(t.untyped_storage().nbytes() for i in self.layers for t in (self.k[i], self.v[i]))
 
     def bytes_per_block(self) -> int:
