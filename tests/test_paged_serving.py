@@ -137,6 +137,26 @@ def test_eos_stops_a_request_and_frees_its_blocks_at_once(model, expected):
     assert 0 not in engine.records[stop].tables
 
 
+def test_chunked_prefill_feeds_long_prompts_in_chunks_beside_decodes_and_keeps_the_tokens(model, expected):
+    engine = ServingEngine(model, num_blocks=64, block_size=4, max_batch=3, max_step_tokens=6)
+    results = engine.run(REQUESTS)
+
+    assert [r.tokens for r in results] == expected
+    assert all(sum(r.fed.values()) <= 6 for r in engine.records)
+    chunks = [r.fed[5] for r in engine.records if 5 in r.fed and r.fed[5] > 1]
+    assert sum(chunks) == len(PROMPTS[5]) == 13 and len(chunks) >= 3        # the 13-token prompt, in pieces
+    beside = [r for r in engine.records if 5 in r.prefill and r.decode]
+    assert beside                                                            # decodes went on meanwhile
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        ServingEngine(model, num_blocks=8, max_batch=4, max_step_tokens=3)
+
+
+def test_chunked_prefill_with_prefix_caching_and_preemption_keeps_the_tokens(model, expected):
+    engine = ServingEngine(model, num_blocks=6, block_size=4, max_batch=4, prefix_caching=True, max_step_tokens=5)
+    assert [r.tokens for r in engine.run(REQUESTS)] == expected
+    assert engine.preemptions > 0 and engine.blocks.num_free() == 6
+
+
 # --- memory ------------------------------------------------------------------------------------
 
 def test_paged_waste_is_below_one_block_per_request_and_far_below_chapter_09s_reservation(model):

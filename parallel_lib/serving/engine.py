@@ -2,7 +2,7 @@
 
 Each :meth:`ServingEngine.step` is one forward pass of the one GPT-2 (:mod:`parallel_lib.models`)::
 
-    scheduler.schedule()            which sequences run, each feeding tokens[computed:]
+    scheduler.schedule()            which sequences run, each feeding tokens[computed:stop]
     one batch, flat or padded       prefills (whole prompts) and decodes (one token) side by side
     the one GPT-2's blocks, cache=PagedStep   attention writes and reads the pool through block tables
     sample each row's last logits   chapter 09's sample(): greedy or the request's own seeded stream
@@ -31,7 +31,7 @@ fit the pool, or the model's context, is refused with a ValueError when it is ad
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence as Seq
 
 import torch
@@ -61,6 +61,7 @@ class StepRecord:
         free_blocks: blocks free (or evictable) after the step.
         start, end: seconds on the engine's clock.
         flat: the step ran flat (one row) rather than padded (a row per sequence).
+        fed: tokens each request fed (its whole prompt, a chunk of it, or 1 for a decode).
     """
 
     step: int
@@ -75,6 +76,7 @@ class StepRecord:
     start: float
     end: float
     flat: bool = False
+    fed: dict[int, int] = field(default_factory=dict)
 
 
 class ServingEngine:
@@ -86,14 +88,16 @@ class ServingEngine:
         block_size: token slots per block.
         max_batch: sequences in one step at most.
         prefix_caching: share full prompt blocks between requests (:mod:`.prefix_cache`).
+        max_step_tokens: tokens one step feeds at most: chunked prefill (:mod:`.scheduler`); None: no limit.
         device: where the pool lives (the model's device by default).
 
     Raises:
-        ValueError: a count below 1.
+        ValueError: a count below 1, or ``max_step_tokens`` below ``max_batch``.
     """
 
     def __init__(self, model: Any, num_blocks: int, block_size: int = 16, max_batch: int = 8,
-                 prefix_caching: bool = False, device: Optional[torch.device] = None) -> None:
+                 prefix_caching: bool = False, max_step_tokens: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.model = as_gpt2(model).eval()
         config = self.model.config
         param = next(self.model.parameters())
@@ -102,7 +106,7 @@ class ServingEngine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(range(config.n_layer), num_blocks, block_size, config.n_head,
                                   config.n_embd // config.n_head, param.dtype, self.device)
-        self.scheduler = Scheduler(self.blocks, positive_int("max_batch", max_batch))
+        self.scheduler = Scheduler(self.blocks, positive_int("max_batch", max_batch), max_step_tokens)
         self.block_size = block_size
         self.records: list[StepRecord] = []
         self.results: dict[int, Result] = {}
@@ -170,8 +174,8 @@ class ServingEngine:
         scores (every query against every sequence's keys, most masked), padded ``b · max(fed)`` rows and
         ``b · max(fed) · max(len)`` scores. Decodes alone are cheaper padded; a prompt beside them, flat.
         """
-        fed = [len(s.tokens) - c for s, c in zip(plan.sequences, plan.starts)]
-        lengths = [len(s.tokens) for s in plan.sequences]
+        fed = [stop - start for start, stop in zip(plan.starts, plan.stops)]
+        lengths = plan.stops
         h = self.model.config.n_embd
         flat = sum(fed) * 12 * h + 2 * sum(fed) * sum(lengths)
         padded = len(fed) * max(fed) * 12 * h + 2 * len(fed) * max(fed) * max(lengths)
@@ -186,7 +190,7 @@ class ServingEngine:
         (queries and keys) belongs to no sequence.
         """
         bs, seqs = self.block_size, plan.sequences
-        lengths = [len(s.tokens) for s in seqs]
+        lengths = plan.stops  # keys a sequence's queries may see: its tokens up to the last one fed
         fed = [n - c for n, c in zip(lengths, plan.starts)]
         R, S, T = (1, sum(fed), sum(lengths)) if flat else (len(seqs), max(fed), max(lengths))
         # built as Python lists, one row per tensor row, and turned into tensors once (small steps are
@@ -197,7 +201,7 @@ class ServingEngine:
         for i, (seq, start, n) in enumerate(zip(seqs, plan.starts, lengths)):
             r, table = (0 if flat else i), self.blocks.tables[seq.id]
             ids, pos, write, q_owner = q_rows[r]
-            ids += seq.tokens[start:]
+            ids += seq.tokens[start:n]
             pos += range(start, n)
             write += slots_of(table, start, n, bs)
             q_owner += [i] * (n - start)
@@ -237,14 +241,18 @@ class ServingEngine:
             x = block(x, allowed, store)
         logits = self.model.lm_head(body.ln_f(x[rows, cols])).float().cpu()            # (b, V)
         now = self.now()
-        prefill = [s.id for s, c in zip(plan.sequences, plan.starts) if s.id in plan.admitted or len(s.tokens) - c > 1]
+        prefill = [s.id for s, a, b in zip(plan.sequences, plan.starts, plan.stops)
+                   if s.id in plan.admitted or b - a > 1 or b < len(s.tokens)]
         decode = [s.id for s in plan.sequences if s.id not in prefill]
         tables = {s.id: self.blocks.table(s.id) for s in plan.sequences}
+        fed = {s.id: b - a for s, a, b in zip(plan.sequences, plan.starts, plan.stops)}
         finished = []
-        for row, seq in enumerate(plan.sequences):
+        for row, (seq, stop) in enumerate(zip(plan.sequences, plan.stops)):
             tokens = seq.tokens
-            seq.computed = len(tokens)
-            self.blocks.computed(seq.id, tokens, seq.computed)
+            seq.computed = stop
+            self.blocks.computed(seq.id, tokens, stop)
+            if stop < len(tokens):
+                continue  # a chunk of a prompt: nothing to sample yet
             result = seq.result
             try:
                 token = sample(logits[row], seq.request.temperature, seq.generator)
@@ -257,7 +265,7 @@ class ServingEngine:
                 self.scheduler.finish(seq)
                 finished.append(seq.id)
         record = StepRecord(len(self.records), prefill, decode, plan.admitted, plan.preempted, finished, tables,
-                            {s.id: s.computed for s in plan.sequences}, self.blocks.num_free(), start, now, flat)
+                            {s.id: s.computed for s in plan.sequences}, self.blocks.num_free(), start, now, flat, fed)
         self.records.append(record)
         return record
 

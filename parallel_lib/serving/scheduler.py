@@ -17,6 +17,12 @@ Before each step the :class:`Scheduler`
 3. returns the batch: every running sequence with the tokens it feeds, a whole prompt (prefill) and
    single tokens (decodes) side by side in one forward pass.
 
+**Chunked prefill** (Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
+Sarathi-Serve"; vLLM's ``max_num_batched_tokens``). With ``max_step_tokens`` set, a step feeds at most
+that many tokens: every decode its one token first, then prompts, oldest first, as much as is left; a
+long prompt is fed in chunks over several steps, beside the decodes, instead of stalling them for one
+long step. A chunk that does not reach the prompt's end samples nothing.
+
 The engine (:mod:`.engine`) runs the pass and reports back each sequence's new token; a finished
 sequence frees its blocks at once, so the next step can admit a waiting one.
 """
@@ -25,10 +31,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from parallel_lib.common.checks import positive_int
+from parallel_lib.common.checks import check_int, positive_int
 from parallel_lib.inference.batch import Request, Result
 from parallel_lib.serving.block_manager import BlockManager
 
@@ -70,10 +77,15 @@ class Sequence:
 
 @dataclass
 class Scheduled:
-    """What one step runs: the sequences with the tokens each feeds (``tokens[start:]``), and what changed."""
+    """What one step runs: the sequences with the tokens each feeds (``tokens[start:stop]``), and what changed.
+
+    A sequence samples its next token when ``stop`` reaches its length; a chunk of a prompt that stops
+    short of it only stores its keys and values.
+    """
 
     sequences: list[Sequence]
     starts: list[int]
+    stops: list[int]
     admitted: list[int]
     preempted: list[int]
 
@@ -84,14 +96,20 @@ class Scheduler:
     Args:
         blocks: the block manager of the pool.
         max_batch: sequences in one step at most.
+        max_step_tokens: tokens one step feeds at most (chunked prefill); None: no limit, every prompt
+            whole. At least ``max_batch``, so that every decode always fits.
 
     Raises:
-        ValueError: ``max_batch`` below 1.
+        ValueError: ``max_batch`` below 1, or ``max_step_tokens`` below ``max_batch``.
     """
 
-    def __init__(self, blocks: BlockManager, max_batch: int) -> None:
+    def __init__(self, blocks: BlockManager, max_batch: int, max_step_tokens: Optional[int] = None) -> None:
         self.blocks = blocks
         self.max_batch = positive_int("max_batch", max_batch)
+        self.max_step_tokens = None
+        if max_step_tokens is not None:
+            self.max_step_tokens = check_int("max_step_tokens", max_step_tokens, minimum=max_batch,
+                                             hint="every running sequence's decode must fit one step")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
@@ -124,8 +142,19 @@ class Scheduler:
                     break
             if seq in self.running:
                 self.blocks.append(seq.id, length)
+        # the step's token budget: every decode feeds its one token, then prefills (oldest first) what is left
+        budget = self.max_step_tokens if self.max_step_tokens is not None else float("inf")
+        feed: dict[int, int] = {}
+        running = sorted(self.running, key=lambda s: s.order)
+        for seq in running:
+            if len(seq.tokens) - seq.computed == 1:
+                feed[seq.id], budget = 1, budget - 1
+        for seq in running:
+            if seq.id not in feed:
+                feed[seq.id] = int(min(len(seq.tokens) - seq.computed, budget))
+                budget -= feed[seq.id]
         admitted: list[int] = []
-        while not preempted and self.waiting and len(self.running) < self.max_batch:
+        while not preempted and self.waiting and len(self.running) < self.max_batch and budget > 0:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq.tokens):
                 break
@@ -134,8 +163,11 @@ class Scheduler:
             seq.order, self._admissions = self._admissions, self._admissions + 1
             self.running.append(seq)
             admitted.append(seq.id)
-        batch = sorted(self.running, key=lambda s: s.order)
-        return Scheduled(batch, [s.computed for s in batch], admitted, preempted)
+            feed[seq.id] = int(min(len(seq.tokens) - seq.computed, budget))
+            budget -= feed[seq.id]
+        batch = [s for s in sorted(self.running, key=lambda s: s.order) if feed[s.id] > 0]
+        return Scheduled(batch, [s.computed for s in batch], [s.computed + feed[s.id] for s in batch], admitted,
+                         preempted)
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done: free its blocks and drop it from the batch."""
