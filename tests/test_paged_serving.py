@@ -301,4 +301,5 @@ def test_the_serving_benchmark_quick_run_prints_both_engines(capsys):
     assert bench_dispatch(["serving", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "| static (chapter 09) | 8 |" in out and "| continuous, paged (chapter 13) | 8 |" in out
+    assert "| + chunked prefill (6 tokens/step) | 8 |" in out
     assert "same tokens for every request: yes" in out

@@ -3,7 +3,7 @@
 ``python -m parallel_lib.bench serving [--quick]`` draws a trace (Poisson arrivals, mixed prompt and
 output lengths, :func:`~parallel_lib.serving.trace.poisson_trace`) and replays it, in this one run,
 through chapter 09's engine (static groups, ``max_len`` reserved per row) and chapter 13's (paged
-KV cache, continuous batching) with the *same* KV memory: the paged pool holds exactly the slots
+KV cache, continuous batching; then with chunked prefill too) with the *same* KV memory: the paged pool holds exactly the slots
 the static engine reserves. It prints throughput, time to first token, time per output token and
 latency (p50 and p99), and whether both gave every request the same tokens (they must: greedy).
 
@@ -43,9 +43,11 @@ class Config:
     seed: int = 0
     threads: int = 1
     model: str = "tiny"
+    max_step_tokens: int = 32
 
 
-QUICK = Config(requests=8, rate=200.0, prompt_lengths=(2, 12), output_lengths=(1, 8), max_batch=4, block_size=4)
+QUICK = Config(requests=8, rate=200.0, prompt_lengths=(2, 12), output_lengths=(1, 8), max_batch=4, block_size=4,
+               max_step_tokens=6)
 
 
 @dataclass
@@ -73,15 +75,19 @@ def measure(config: Config) -> Results:
         max_len = max(a.request.slots for a in trace)
         static = Engine.single(model, max_batch=config.max_batch, max_len=max_len)
         slots = config.max_batch * max_len  # the static engine's reservation, the paged pool's size
-        paged = ServingEngine(model, num_blocks=max(1, slots // config.block_size), block_size=config.block_size,
-                              max_batch=config.max_batch)
+        pool = dict(num_blocks=max(1, slots // config.block_size), block_size=config.block_size,
+                    max_batch=config.max_batch)
+        paged = ServingEngine(model, **pool)
+        chunked = ServingEngine(model, **pool, max_step_tokens=config.max_step_tokens)
         s = replay_static(static, trace)
         c = replay_continuous(paged, trace)
+        k = replay_continuous(chunked, trace)
     finally:
         torch.set_num_threads(threads)
-    return Results(config, machine_label(), {"static (chapter 09)": trace_metrics(s),
-                                             "continuous, paged (chapter 13)": trace_metrics(c)},
-                   [r.tokens for r in s] == [r.tokens for r in c], slots, paged.preemptions)
+    metrics = {"static (chapter 09)": trace_metrics(s), "continuous, paged (chapter 13)": trace_metrics(c),
+               f"+ chunked prefill ({config.max_step_tokens} tokens/step)": trace_metrics(k)}
+    same = [r.tokens for r in s] == [r.tokens for r in c] == [r.tokens for r in k]
+    return Results(config, machine_label(), metrics, same, slots, paged.preemptions + chunked.preemptions)
 
 
 def markdown(results: Results) -> str:
@@ -92,13 +98,15 @@ def markdown(results: Results) -> str:
              ms(m.tpot_p99), ms(m.latency_p50), ms(m.latency_p99)] for name, m in results.metrics.items()]
     table = markdown_table(["engine", "requests", "tokens", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
                             "TPOT p50 ms", "TPOT p99 ms", "latency p50 ms", "latency p99 ms"], rows)
-    static, cont = results.metrics.values()
+    static, cont, chunked = results.metrics.values()
     return (f"Serving a trace of {c.requests} requests (Poisson, {c.rate:g}/s, prompts {c.prompt_lengths[0]}-"
             f"{c.prompt_lengths[1]}, outputs {c.output_lengths[0]}-{c.output_lengths[1]} tokens, seed {c.seed}), "
             f"GPT-2 {c.model}, max_batch {c.max_batch}, {results.kv_slots} KV slots each "
             f"(paged: blocks of {c.block_size}), {c.threads} thread(s), on {results.machine}\n\n{table}\n\n"
             f"- continuous / static: {cont.throughput / static.throughput:.2f}× throughput, median latency "
             f"{cont.latency_p50 / static.latency_p50:.2f}×, median TTFT {cont.ttft_p50 / static.ttft_p50:.2f}×\n"
+            f"- chunked prefill: TPOT p99 {1e3 * chunked.tpot_p99:.1f} ms against {1e3 * cont.tpot_p99:.1f} ms "
+            f"with whole prompts\n"
             f"- preemptions: {results.preemptions}; same tokens for every request: "
             f"{'yes' if results.same_tokens else 'NO'}")
 

@@ -6,7 +6,9 @@ mixes the whole prefix into each position). So a block's name is a hash chain::
     h_0 = hash((ROOT, tokens[0 : B]))        h_i = hash((h_{i-1}, tokens[i·B : (i+1)·B]))
 
 Two requests whose first ``i+1`` blocks hold the same tokens get the same ``h_i``, and only then:
-a block with the same tokens after a different prefix gets another name. vLLM's automatic prefix
+a block with the same tokens after a different prefix gets another name. The hash is 64 bits of
+BLAKE2b, the same in every process and run (Python's ``hash`` of strings is salted per process), and two
+different prefixes share a name with probability about ``2**-64`` per pair. vLLM's automatic prefix
 caching names blocks this way (a block's hash covers its tokens and its parent's hash); SGLang keeps a
 radix tree of token sequences instead, which finds the same sharing one token at a time.
 
@@ -18,6 +20,7 @@ Only full blocks are named: a partial block still changes as its request decodes
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -45,7 +48,8 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> 
     positive_int("block_size", block_size)
     hashes, h = [], parent
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        h = hash((h, tuple(int(t) for t in tokens[start:start + block_size])))
+        block = ",".join(str(int(t)) for t in tokens[start:start + block_size])
+        h = int.from_bytes(hashlib.blake2b(f"{h}:{block}".encode(), digest_size=8).digest(), "little")
         hashes.append(h)
     return hashes
 
