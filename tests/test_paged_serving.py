@@ -303,3 +303,4 @@ def test_the_serving_benchmark_quick_run_prints_both_engines(capsys):
     assert "| static (chapter 09) | 8 |" in out and "| continuous, paged (chapter 13) | 8 |" in out
     assert "| + chunked prefill (6 tokens/step) | 8 |" in out
     assert "same tokens for every request: yes" in out
+    assert "| + prefix caching | 8 |" in out and "% of prompt blocks taken from the cache" in out

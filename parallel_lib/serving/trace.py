@@ -53,7 +53,7 @@ def _length_range(name: str, value: tuple[int, int]) -> tuple[int, int]:
 
 
 def poisson_trace(n: int, rate: float, prompt_lengths: tuple[int, int], output_lengths: tuple[int, int],
-                  vocab_size: int, seed: int = 0) -> list[Arrival]:
+                  vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> list[Arrival]:
     """``n`` requests arriving as a Poisson process of ``rate`` per second, lengths uniform in their ranges.
 
     Args:
@@ -62,22 +62,25 @@ def poisson_trace(n: int, rate: float, prompt_lengths: tuple[int, int], output_l
         prompt_lengths, output_lengths: (low, high) inclusive ranges of prompt tokens and new tokens.
         vocab_size: prompt tokens are drawn from ``0 .. vocab_size - 1``.
         seed: the trace's seed (the same seed gives the same trace).
+        shared_prefix: tokens of one "system prompt" put in front of every prompt (0: none); the
+            prompt lengths count the tokens after it.
 
     Raises:
         ValueError, TypeError: a count below 1, a rate not > 0, a range that is not (low <= high).
     """
     positive_int("n", n), positive_number("rate", rate), positive_int("vocab_size", vocab_size)
-    check_int("seed", seed, minimum=0)
+    check_int("seed", seed, minimum=0), check_int("shared_prefix", shared_prefix, minimum=0)
     (p_lo, p_hi), (o_lo, o_hi) = _length_range("prompt_lengths", prompt_lengths), _length_range("output_lengths",
                                                                                                output_lengths)
     g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, vocab_size, (shared_prefix,), generator=g).tolist()
     gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=g)
     times = (gaps.cumsum(0) - gaps[0]).tolist()  # the first request arrives at 0
     out = []
     for t in times:
         length = int(torch.randint(p_lo, p_hi + 1, (), generator=g))
         prompt = torch.randint(0, vocab_size, (length,), generator=g).tolist()
-        out.append(Arrival(t, Request(prompt, int(torch.randint(o_lo, o_hi + 1, (), generator=g)))))
+        out.append(Arrival(t, Request(system + prompt, int(torch.randint(o_lo, o_hi + 1, (), generator=g)))))
     return out
 
 
