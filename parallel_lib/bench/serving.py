@@ -4,10 +4,11 @@
 output lengths, :func:`~parallel_lib.serving.trace.poisson_trace`) and replays it, in this one run,
 through chapter 09's engine (static groups, ``max_len`` reserved per row) and chapter 13's (paged
 KV cache, continuous batching; then with chunked prefill too) with the *same* KV memory: the paged
-pool holds exactly the slots the static engine reserves. It prints throughput, time to first token, time per output token and
-latency (p50 and p99), and whether every engine gave every request the same tokens (they must:
-greedy). A second trace puts one shared system prompt in front of the same requests and serves it
-without and with prefix caching: the hit rate and the time to first token it saves.
+pool holds exactly the slots the static engine reserves. It prints throughput, time to first token,
+time per output token and latency (p50 and p99), and whether every engine gave every request the
+same tokens (they must: greedy). A second trace puts one shared system prompt in front of the same
+requests and serves it without and with prefix caching: the hit rate and the time to first token it
+saves.
 
 The numbers are this machine's, measured in real time: a loaded CPU slows both alike, and the
 trace's rate decides how busy the engines are. Torch runs on ``--threads`` intra-op threads (1 by
