@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from parallel_lib.bench.__main__ import main as bench_dispatch
-from parallel_lib.inference import Engine, Request, ServeConfig
-from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, ServingEngine, block_hashes, blocks_for,
-                                  kv_waste, poisson_trace, replay_continuous, replay_static, slots_of, trace_metrics)
+from parallel_lib.inference import Engine, Request, Result, ServeConfig
+from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, Scheduler, Sequence, ServingEngine,
+                                  block_hashes, blocks_for, kv_waste, poisson_trace, replay_continuous, replay_static,
+                                  slots_of, trace_metrics)
 
 CONFIG = ServeConfig(initializer_range=0.3)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [40, 41, 42], list(range(20, 33))]
@@ -81,6 +82,37 @@ def test_a_sequence_takes_a_block_when_its_last_one_is_full_and_gives_all_back()
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 4)
     assert blocks_for(8, 4) == 2 and blocks_for(9, 4) == 3
+
+
+def _seq(i, length, new=4):
+    return Sequence(i, Request([1] * length, new), Result(i))
+
+
+def test_the_scheduler_admits_first_come_first_served_and_preempts_the_newest():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(blocks, max_batch=4)
+    a, b, c = _seq(0, 8), _seq(1, 9), _seq(2, 2)
+    for s in (a, b, c):
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert plan.admitted == [0] and [s.id for s in scheduler.waiting] == [1, 2]  # c fits but may not overtake b
+    assert plan.starts == [0] and plan.stops == [8]
+    a.computed = 8
+    a.result.tokens.append(5)                                  # a now holds 9 tokens: a third block
+    plan = scheduler.schedule()
+    assert blocks.table(0) == [0, 1, 2] and plan.preempted == [] and plan.admitted == []
+    scheduler.waiting.clear()
+    d = _seq(3, 4)
+    scheduler.add(d)
+    scheduler.schedule()                                       # d takes the last block
+    a.computed, d.computed = 9, 4
+    d.result.tokens.append(5)                                  # d needs a block; a is older, so d is the victim
+    a.result.tokens.append(5)
+    plan = scheduler.schedule()
+    assert plan.preempted == [3] and [s.id for s in plan.sequences] == [0] and d.computed == 0
+    assert list(scheduler.waiting) == [d] and d.preemptions == 1
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        Scheduler(blocks, max_batch=4, max_step_tokens=2)
 
 
 # --- token identity ----------------------------------------------------------------------------
