@@ -89,19 +89,19 @@ class ServingEngine:
         max_batch: sequences in one step at most.
         prefix_caching: share full prompt blocks between requests (:mod:`.prefix_cache`).
         max_step_tokens: tokens one step feeds at most: chunked prefill (:mod:`.scheduler`); None: no limit.
-        device: where the pool lives (the model's device by default).
+
+    The pool and every step's inputs live on the model's device, in its dtype.
 
     Raises:
         ValueError: a count below 1, or ``max_step_tokens`` below ``max_batch``.
     """
 
     def __init__(self, model: Any, num_blocks: int, block_size: int = 16, max_batch: int = 8,
-                 prefix_caching: bool = False, max_step_tokens: Optional[int] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 prefix_caching: bool = False, max_step_tokens: Optional[int] = None) -> None:
         self.model = as_gpt2(model).eval()
         config = self.model.config
         param = next(self.model.parameters())
-        self.device = param.device if device is None else torch.device(device)
+        self.device = param.device
         self.n_positions, self.vocab_size = config.n_positions, config.vocab_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(range(config.n_layer), num_blocks, block_size, config.n_head,

@@ -53,6 +53,8 @@ class Sequence:
         computed: leading tokens whose keys and values are in the pool (0 when waiting).
         order: when it was last admitted (the preemption victim is the largest).
         preemptions: how many times it was preempted.
+        generator: its own random stream, seeded by the request (chapter 09's rule: its sampled tokens
+            depend on nothing else, not even on being preempted and recomputed).
     """
 
     id: int
