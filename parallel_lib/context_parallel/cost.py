@@ -1,0 +1,91 @@
+"""Bytes on the wire per rank for context parallelism (and what attention keeps for backward), from the algorithms.
+
+One key (or value) block is ``b · n · (s/cp) · d`` elements: one rank's tokens of every head.
+
+- **Ring** (:mod:`.ring`): forward, cp − 1 steps each send one K and one V block
+  (``2 · (cp − 1)`` blocks). Backward, the K and V blocks go round again (cp − 1 steps) and the
+  dK, dV accumulators travel one step further home (cp steps, in fp32 whatever the inputs'
+  dtype: they sum cp contributions). Nothing else: dQ stays on its rank.
+- **Ulysses** (:mod:`.ulysses`): forward, one all-to-all of q, k and v together (three blocks)
+  and one of the output (one block); backward, one of dO and one of dQ, dK, dV. An all-to-all
+  keeps 1/cp of its tensor and sends (cp − 1)/cp of it.
+
+In terms of the whole sequence's K and V (cp blocks each): the ring's forward sends
+``(cp − 1)/cp`` of all of it from every rank, about constant as cp grows, like an all-gather;
+Ulysses' forward sends ``4 · (cp − 1)/cp²`` of one of them, falling as 1/cp. The collective
+counter (:mod:`parallel_lib.runtime.collectives`) measures both; the tests put them side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel_lib.common.checks import check_choice, positive_int
+
+__all__ = ["WireBytes", "METHODS", "cp_wire_bytes", "attention_saved_bytes"]
+
+METHODS = ("ring", "ulysses")
+GRAD_ITEMSIZE = 4  # the ring's dK/dV accumulators are fp32
+
+
+@dataclass(frozen=True)
+class WireBytes:
+    """Bytes one rank sends for one attention call, forward and backward."""
+
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def cp_wire_bytes(method: str, batch: int, heads: int, seq_len: int, head_dim: int, cp: int,
+                  itemsize: int = 4) -> WireBytes:
+    """What one rank sends for one context-parallel attention (module docstring).
+
+    Args:
+        method: "ring" or "ulysses".
+        batch, heads, seq_len, head_dim: the attention's shape (the whole sequence).
+        cp: ranks sharing the sequence.
+        itemsize: bytes per element of q, k, v (4 for fp32, 2 for bf16).
+
+    Returns:
+        :class:`WireBytes`.
+
+    Raises:
+        ValueError: an unknown method; a size that is not a positive int; ``seq_len`` not divisible by cp.
+    """
+    check_choice("method", method, METHODS)
+    b, n, s, d, cp, itemsize = (positive_int(name, value) for name, value in (
+        ("batch", batch), ("heads", heads), ("seq_len", seq_len), ("head_dim", head_dim), ("cp", cp),
+        ("itemsize", itemsize)))
+    if s % cp:
+        raise ValueError(f"seq_len must be divisible by cp, got seq_len={s}, cp={cp}")
+    block = b * n * (s // cp) * d  # elements of one K (or V) block
+    if method == "ring":
+        kv = 2 * (cp - 1) * block * itemsize                         # K and V, cp − 1 steps
+        return WireBytes(forward=kv, backward=kv + 2 * cp * block * GRAD_ITEMSIZE)
+    share = (cp - 1) / cp                                             # an all-to-all keeps 1/cp at home
+    return WireBytes(forward=share * 4 * block * itemsize, backward=share * 4 * block * itemsize)
+
+
+def attention_saved_bytes(method: str, batch: int, heads: int, seq_len: int, head_dim: int,
+                          causal: bool = False) -> int:
+    """Bytes one attention keeps for backward beyond its inputs q, k, v (fp32), by what it saves.
+
+    - "full" (:func:`.tiled.full_attention`): the probabilities, ``b · n · s²`` fp32 (the softmax's
+      output, which the product with V saves too: one tensor), and under a causal mask the
+      (s, s) boolean mask ``masked_fill`` keeps: s² bytes;
+    - "tiled" (:func:`.tiled.tiled_attention`): the output ``b · n · s · d`` and the softmax's
+      log-sum-exp ``b · n · s``, fp32: nothing grows with s².
+
+    Raises:
+        ValueError: an unknown method or a size that is not a positive int.
+    """
+    check_choice("method", method, ("full", "tiled"))
+    b, n, s, d = (positive_int(name, value) for name, value in (
+        ("batch", batch), ("heads", heads), ("seq_len", seq_len), ("head_dim", head_dim)))
+    if method == "full":
+        return b * n * s * s * 4 + (s * s if causal else 0)
+    return b * n * s * (d + 1) * 4

@@ -1,0 +1,120 @@
+"""Exactness checks that run inside ranks: ring and Ulysses attention against full attention in one process.
+
+:func:`attention_check` is a ``launch`` worker (``fn(rank, world_size, cases)``). Every rank
+draws the same whole q, k, v and output gradient from one seed, runs full attention on them
+(the reference), takes its shard (:mod:`.layout`), runs the context-parallel attention over
+the mesh's ``cp`` group and returns, per case, the largest differences of its output and
+gradients from the same shard of the reference, the work it did and the bytes it sent
+(forward and backward, from the collective counter). Several cases share one launch: starting
+ranks costs more than a small attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import time
+
+import torch
+
+from parallel_lib.common.checks import check_choice
+from parallel_lib.context_parallel.cost import METHODS
+from parallel_lib.context_parallel.layout import LAYOUTS, shard_sequence
+from parallel_lib.context_parallel.ring import ring_attention
+from parallel_lib.context_parallel.tiled import TileWork, full_attention
+from parallel_lib.context_parallel.ulysses import ulysses_attention
+from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.runtime.mesh import Mesh
+
+__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One context-parallel attention to check: method, mask, layout and shape (the whole sequence)."""
+
+    method: str = "ring"          # "ring" or "ulysses"
+    causal: bool = True
+    layout: str = "contiguous"    # "contiguous" or "zigzag"
+    batch: int = 1
+    heads: int = 2
+    seq_len: int = 32
+    head_dim: int = 8
+    block: int = 8                # tile size inside each step
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, METHODS)
+        check_choice("layout", self.layout, LAYOUTS)
+
+
+@dataclass
+class CaseResult:
+    """What one rank found for one :class:`Case`."""
+
+    case: Case
+    errors: dict[str, float] = field(default_factory=dict)   # output, dq, dk, dv: largest |difference|
+    work: TileWork = field(default_factory=TileWork)          # tiles this rank computed forward
+    forward_bytes: float = 0.0                               # sent, as the collective counter saw it
+    backward_bytes: float = 0.0
+    calls: dict[str, Any] = field(default_factory=dict)      # {kind: (calls, bytes)} forward and backward
+
+
+def _one(case: Case, group: Any, index: int, cp: int, timeout: float) -> CaseResult:
+    gen = torch.Generator().manual_seed(case.seed)
+    shape = (case.batch, case.heads, case.seq_len, case.head_dim)
+    q, k, v, upstream = (torch.randn(shape, generator=gen) for _ in range(4))
+    whole = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    reference = full_attention(*whole, causal=case.causal)
+    reference.backward(upstream)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, cp, index, case.layout, dim=2)
+
+    local = [mine(t).requires_grad_(True) for t in (q, k, v)]
+    attention = ring_attention if case.method == "ring" else ulysses_attention
+    result = CaseResult(case)
+    with count_collectives() as forward:
+        out = attention(*local, group, causal=case.causal, layout=case.layout, block=case.block,
+                        timeout=timeout, work=result.work)
+    with count_collectives() as backward:
+        out.backward(mine(upstream))
+    result.errors = {"output": float((out.detach() - mine(reference.detach())).abs().max())}
+    for name, got, want in zip(("dq", "dk", "dv"), local, whole):
+        result.errors[name] = float((got.grad - mine(want.grad)).abs().max())
+    result.forward_bytes, result.backward_bytes = forward.wire_bytes(), backward.wire_bytes()
+    result.calls = {"forward": forward.by_kind(), "backward": backward.by_kind()}
+    return result
+
+
+def attention_check(rank: int, world_size: int, cases: Sequence[Case], timeout: float = 60.0) -> list[dict]:
+    """Run every case on a ``Mesh(cp=world_size)``; return this rank's findings (dicts of :class:`CaseResult`).
+
+    Args:
+        rank, world_size: from ``launch``.
+        cases: the :class:`Case` list, the same on every rank.
+        timeout: seconds any exchange may wait.
+    """
+    with Mesh(cp=world_size).build(timeout=timeout) as pm:
+        group = pm.group("cp")
+        return [asdict(_one(case, group, pm.index("cp"), world_size, timeout)) for case in cases]
+
+
+def stalled_peer_check(rank: int, world_size: int, method: str = "ring", timeout: float = 1.0) -> str:
+    """Rank 0 runs the attention, the others never join it: rank 0's error message (others: "").
+
+    The exchange must give up after ``timeout`` seconds with a ``TimeoutError`` naming the rank
+    that waited, where a bare wait would hang for the group's timeout (gloo: 30 minutes).
+    """
+    with Mesh(cp=world_size).build(timeout=30.0) as pm:
+        if rank != 0:
+            time.sleep(3 * timeout)
+            return ""
+        q = torch.randn(1, world_size, 4, 4)
+        attention = ring_attention if method == "ring" else ulysses_attention
+        try:
+            attention(q, q, q, pm.group("cp"), causal=True, timeout=timeout)
+        except TimeoutError as error:
+            return str(error)
+        return "no error"

@@ -1,0 +1,239 @@
+"""Context parallelism (chapter 11): tiled attention, the layouts, ring and Ulysses attention, their traffic.
+
+The headline proofs run on gloo ranks: every rank's output and q, k, v gradients equal the
+same shard of full attention in one process (fp32, 1e-5), at cp = 2 and 4, causal and not,
+contiguous and zig-zag; the bytes each rank sent (the collective counter) equal the formula
+from the algorithm's steps; the work each rank did (tiles it computed) shows the causal
+imbalance of the contiguous split and its absence under zig-zag. One launch per cp holds
+every case: starting ranks costs more than these attentions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_lib.context_parallel import (
+    TileWork, attention_saved_bytes, check_ulysses, chunk_ids, cp_wire_bytes, full_attention, gather_sequence,
+    merge_partials, ring_attention, saved_attention_bytes, shard_positions, shard_sequence, tiled_attention,
+    tiled_forward, ulysses_attention)
+from parallel_lib.context_parallel.verify import Case, attention_check, stalled_peer_check
+from parallel_lib.runtime import launch
+
+ATOL = 1e-5
+
+
+def _grads(attention, q, k, v, upstream, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = attention(q, k, v, **kwargs)
+    out.backward(upstream)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+# --- attention in tiles ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_len, block", [(50, 16), (32, 32), (7, 64)])  # ragged last tile; one tile; s < block
+def test_tiled_attention_equals_softmax_attention_forward_and_backward(causal, seq_len, block):
+    q, k, v, upstream = (torch.randn(2, 3, seq_len, 8) for _ in range(4))
+    expected = _grads(full_attention, q, k, v, upstream, causal=causal)
+    actual = _grads(tiled_attention, q, k, v, upstream, causal=causal, block=block)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_tiled_forward_masks_by_position_and_skips_future_tiles():
+    # zig-zag positions: rank 0 of cp=2 holds chunks 0 and 3 of 32 tokens
+    q, k, v = (torch.randn(1, 2, 32, 4) for _ in range(3))
+    q_pos = shard_positions(32, 2, 0, "zigzag")
+    mine = q[:, :, q_pos]
+    expected = full_attention(mine, k, v, causal=True, q_pos=q_pos, k_pos=torch.arange(32))
+    work = TileWork()
+    out, lse = tiled_forward(mine, k, v, causal=True, q_pos=q_pos, k_pos=torch.arange(32), block=8, work=work)
+    torch.testing.assert_close(out, expected, rtol=0, atol=ATOL)
+    # query tile 0 (positions 0..7) sees key tile 0 only; query tile 1 (24..31) sees all 4 key tiles
+    assert (work.tiles, work.entries, work.allowed) == (5, 5 * 64, 36 + 3 * 64 + 36)
+    assert torch.isfinite(lse).all()
+
+
+def test_merge_of_two_halves_is_attention_over_all_keys():
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    a = tiled_forward(q, k[:, :, :3], v[:, :, :3])
+    b = tiled_forward(q, k[:, :, 3:], v[:, :, 3:])
+    out, lse = merge_partials(*a, *b)
+    whole_out, whole_lse = tiled_forward(q, k, v)
+    torch.testing.assert_close(out, whole_out, rtol=0, atol=ATOL)
+    torch.testing.assert_close(lse, whole_lse, rtol=0, atol=ATOL)
+    torch.testing.assert_close(out, full_attention(q, k, v), rtol=0, atol=ATOL)
+    # a block the queries may not see at all (lse = -inf) changes nothing, and makes no NaN
+    empty = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))
+    for merged, want in zip(merge_partials(*a, *empty), a):
+        torch.testing.assert_close(merged, want, rtol=0, atol=0)
+    assert torch.isneginf(merge_partials(*empty, *empty)[1]).all()
+    assert not merge_partials(*empty, *empty)[0].isnan().any()
+    with pytest.raises(ValueError, match="out_a, out_b must be"):
+        merge_partials(a[0], a[1], a[0][:, :1], a[1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_saved_bytes_grow_with_s_squared_for_full_attention_only(causal):
+    """The census (autograd's saved tensors) equals the formula from what each attention saves."""
+    b, n, d = 1, 2, 16
+    measured = {}
+    for s in (64, 128, 256):
+        q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for _ in range(3))
+        full = saved_attention_bytes(full_attention, q, k, v, causal=causal)
+        tiled = saved_attention_bytes(tiled_attention, q, k, v, causal=causal, block=32)
+        assert full == pytest.approx(attention_saved_bytes("full", b, n, s, d, causal), rel=0.05)
+        assert tiled == pytest.approx(attention_saved_bytes("tiled", b, n, s, d, causal), rel=0.05)
+        measured[s] = (full, tiled)
+    assert measured[256][0] / measured[128][0] == pytest.approx(4, rel=0.01)   # s²
+    assert measured[256][1] / measured[128][1] == pytest.approx(2, rel=0.01)   # s
+    with pytest.raises(ValueError, match="must require grad"):
+        saved_attention_bytes(full_attention, q.detach(), k.detach(), v.detach())
+
+
+def test_bad_attention_inputs_are_refused():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(TypeError, match="q must be a tensor"):
+        tiled_attention([1.0], q, q)
+    with pytest.raises(ValueError, match="k must be 4-d"):
+        tiled_attention(q, q[0], q)
+    with pytest.raises(ValueError, match="share batch, heads and head_dim"):
+        tiled_attention(q, torch.randn(1, 3, 8, 4), torch.randn(1, 3, 8, 4))
+    with pytest.raises(ValueError, match="block must be an int >= 1"):
+        tiled_attention(q, q, q, block=0)
+    with pytest.raises(ValueError, match="q_pos must be a 1-d tensor of 8 positions"):
+        tiled_forward(q, q, q, causal=True, q_pos=torch.arange(7))
+
+
+# --- layouts --------------------------------------------------------------------------------------
+
+def test_chunks_of_the_two_layouts():
+    assert [chunk_ids(4, i) for i in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [chunk_ids(4, i, "zigzag") for i in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert shard_positions(8, 2, 0, "zigzag").tolist() == [0, 1, 6, 7]
+    assert shard_positions(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shards_gather_back_to_the_sequence(layout):
+    x = torch.arange(2 * 24).reshape(2, 24)
+    shards = [shard_sequence(x, 3, i, layout) for i in range(3)]
+    assert sorted(torch.cat(shards, 1)[0].tolist()) == list(range(24))
+    assert torch.equal(gather_sequence(shards, layout), x)
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        chunk_ids(2, 0, "striped")
+    with pytest.raises(ValueError, match="index must be an int in 0..1"):
+        chunk_ids(2, 2)
+    with pytest.raises(ValueError, match="divisible by 2·cp = 4"):
+        shard_positions(10, 2, 0)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        shard_sequence([1, 2], 1, 0)
+    with pytest.raises(ValueError, match="every shard must hold as many tokens"):
+        gather_sequence([torch.zeros(1, 2), torch.zeros(1, 4)])
+
+
+# --- ring and Ulysses on ranks --------------------------------------------------------------------
+
+def _cases(heads: int) -> list[Case]:
+    exact = [Case(method, causal, layout, heads=heads)
+             for method in ("ring", "ulysses") for causal in (False, True) for layout in ("contiguous", "zigzag")]
+    # the load-balance cases: small tiles, so that work counts resolve the causal triangle
+    balance = [Case("ring", True, layout, heads=heads, seq_len=128, head_dim=4, block=4)
+               for layout in ("contiguous", "zigzag")]
+    return exact + balance
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def on_ranks(request):
+    cp = request.param
+    return cp, launch(attention_check, cp, _cases(4), backend="gloo", timeout=180, startup_timeout=120)
+
+
+def test_ring_and_ulysses_equal_full_attention_forward_and_every_gradient(on_ranks):
+    cp, results = on_ranks
+    for rank, found in enumerate(results):
+        for result in found:
+            case = result["case"]
+            for name, error in result["errors"].items():
+                assert error < ATOL, f"cp={cp}, rank {rank}, {case}: {name} differs by {error:.2e}"
+
+
+def test_bytes_each_rank_sends_match_the_algorithm(on_ranks):
+    cp, results = on_ranks
+    for found in results:
+        for result in found:
+            case = result["case"]
+            expected = cp_wire_bytes(case["method"], case["batch"], case["heads"], case["seq_len"],
+                                     case["head_dim"], cp)
+            assert result["forward_bytes"] == expected.forward, case
+            assert result["backward_bytes"] == expected.backward, case
+            forward, backward = result["calls"]["forward"], result["calls"]["backward"]
+            if case["method"] == "ring":   # one stacked K/V message per step; dK/dV one more step
+                assert forward == {"send": (cp - 1, forward["send"][1]), "recv": (cp - 1, forward["send"][1])}
+                assert backward["send"][0] == (cp - 1) + cp
+            else:                          # q, k, v in one all-to-all, the output in another
+                assert forward["all_to_all"][0] == 2 and backward["all_to_all"][0] == 2
+                assert "send" not in forward
+
+
+def test_zigzag_balances_causal_work_and_the_contiguous_split_does_not(on_ranks):
+    cp, results = on_ranks
+    work = {layout: [next(r["work"] for r in found if r["case"]["seq_len"] == 128 and r["case"]["layout"] == layout)
+                     for found in results] for layout in ("contiguous", "zigzag")}
+    zigzag = [w["entries"] for w in work["zigzag"]]
+    assert max(zigzag) <= 1.10 * min(zigzag), zigzag
+    useful = [w["allowed"] for w in work["contiguous"]]
+    assert useful == sorted(useful)                                     # later ranks, more work
+    assert max(useful) / min(useful) == pytest.approx(2 * cp - 1, rel=0.10), useful
+    computed = [w["entries"] for w in work["contiguous"]]
+    assert max(computed) / min(computed) > 0.8 * (2 * cp - 1), computed
+    # the same causal triangle, only spread differently
+    assert sum(w["allowed"] for w in work["zigzag"]) == sum(useful) == 128 * 129 // 2
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_a_peer_that_never_answers_times_out_naming_the_rank(method):
+    messages = launch(stalled_peer_check, 2, method, 1.0, backend="gloo", timeout=60, startup_timeout=120)
+    assert messages[1] == ""
+    assert messages[0].startswith("rank 0 (cp index 0 of 2)"), messages[0]
+    assert "timeout=1 s" in messages[0]
+
+
+# --- one rank, and bad input ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("attention", [ring_attention, ulysses_attention])
+def test_one_rank_is_plain_attention(one_rank_group, attention):
+    q, k, v, upstream = (torch.randn(1, 2, 16, 4) for _ in range(4))
+    expected = _grads(full_attention, q, k, v, upstream, causal=True)
+    actual = _grads(attention, q, k, v, upstream, group=dist.group.WORLD, causal=True, block=4)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_bad_context_parallel_input_is_refused(one_rank_group):
+    q = torch.randn(1, 2, 8, 4)
+    world = dist.group.WORLD
+    with pytest.raises(TypeError, match=r"group must be the context-parallel group \(mesh.group\('cp'\)\)"):
+        ring_attention(q, q, q, None)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ring_attention(q, q, q, world, layout="striped")
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        ulysses_attention(q, q, q, world, timeout=0)
+    with pytest.raises(ValueError, match="s/cp must be even"):
+        ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], world)
+    with pytest.raises(ValueError, match="same tokens"):
+        ring_attention(q, q[:, :, :4], q[:, :, :4], world)
+    with pytest.raises(ValueError, match=r"heads=12 is not divisible by cp=8; use cp in \[1, 2, 3, 4, 6, 12\]"):
+        check_ulysses(12, 8)
+    with pytest.raises(ValueError, match="method must be one of"):
+        cp_wire_bytes("tree", 1, 2, 8, 4, 2)
+    with pytest.raises(ValueError, match="seq_len must be divisible by cp"):
+        cp_wire_bytes("ring", 1, 2, 9, 4, 2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        Case(layout="striped")
