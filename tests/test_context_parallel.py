@@ -18,7 +18,9 @@ from parallel_lib.context_parallel import (
     TileWork, attention_saved_bytes, check_ulysses, chunk_ids, cp_wire_bytes, full_attention, gather_sequence,
     merge_partials, ring_attention, saved_attention_bytes, shard_positions, shard_sequence, tiled_attention,
     tiled_forward, ulysses_attention)
-from parallel_lib.context_parallel.verify import Case, attention_check, stalled_peer_check
+from parallel_lib.context_parallel import cp_shard, parallelize_cp
+from parallel_lib.context_parallel.verify import Case, attention_check, gpt2_check, stalled_peer_check
+from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
 
 ATOL = 1e-5
@@ -203,6 +205,36 @@ def test_a_peer_that_never_answers_times_out_naming_the_rank(method):
     assert messages[1] == ""
     assert messages[0].startswith("rank 0 (cp index 0 of 2)"), messages[0]
     assert "timeout=1 s" in messages[0]
+
+
+# --- the one GPT-2 with ring attention -----------------------------------------------------------
+
+def test_gpt2_with_ring_attention_equals_the_dense_model():
+    """Logits of each rank's tokens, the loss, and every parameter's gradient summed over cp (both layouts)."""
+    results = launch(gpt2_check, 2, backend="gloo", timeout=180, startup_timeout=120)
+    for rank, found in enumerate(results):
+        assert set(found) == {"contiguous", "zigzag"}
+        for layout, errors in found.items():
+            for name, error in errors.items():
+                assert error < ATOL, f"rank {rank}, {layout}: {name} differs by {error:.2e}"
+
+
+def test_parallelize_cp_refuses_what_it_cannot_run(one_rank_group):
+    world = dist.group.WORLD
+    with pytest.raises(TypeError, match="model must be the one GPT2"):
+        parallelize_cp(torch.nn.Linear(2, 2), world)
+    with pytest.raises(ValueError, match=r"needs dropout off: config.attn_pdrop=0.1"):
+        parallelize_cp(build_model("tiny", 64, attn_pdrop=0.1), world)
+    with pytest.raises(ValueError, match="not context-parallel: call parallelize_cp"):
+        cp_shard(build_model("tiny", 64), torch.zeros(1, 8, dtype=torch.long))
+    model = parallelize_cp(build_model("tiny", 64), world, block=4)
+    with pytest.raises(ValueError, match="already context-parallel"):
+        parallelize_cp(model, world)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="attention_mask \\(padding\\) is not supported"):
+        model(ids, attention_mask=torch.ones(2, 8))
+    my_ids, positions = cp_shard(model, ids)   # one rank: the whole sequence, and the dense model's logits
+    torch.testing.assert_close(model(my_ids, positions=positions), build_model("tiny", 64)(ids), rtol=0, atol=ATOL)
 
 
 # --- one rank, and bad input ----------------------------------------------------------------------

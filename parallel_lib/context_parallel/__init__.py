@@ -4,12 +4,14 @@
 - :mod:`.layout`: which tokens a rank holds, the contiguous and the zig-zag split (causal load balance);
 - :mod:`.ring`: ring attention, key/value blocks passed round the ring, merged by log-sum-exp;
 - :mod:`.ulysses`: DeepSpeed Ulysses, sequence shards swapped for head shards by all-to-all;
+- :mod:`.parallelize`: ``parallelize_cp``, the one GPT-2 with its attention swapped for ring attention;
 - :mod:`.cost`: bytes on the wire per rank, and bytes attention keeps for backward, from the algorithms;
 - :mod:`.verify`: exactness checks that run inside ranks (ring and Ulysses against full attention).
 """
 
 from parallel_lib.context_parallel.cost import METHODS, WireBytes, attention_saved_bytes, cp_wire_bytes
 from parallel_lib.context_parallel.layout import LAYOUTS, chunk_ids, gather_sequence, shard_positions, shard_sequence
+from parallel_lib.context_parallel.parallelize import CPInfo, RingSelfAttention, cp_shard, parallelize_cp
 from parallel_lib.context_parallel.ring import cp_group_of, merge_partials, ring_attention
 from parallel_lib.context_parallel.tiled import (TileWork, full_attention, saved_attention_bytes, tiled_attention,
                                                  tiled_backward, tiled_forward)
@@ -20,5 +22,6 @@ __all__ = [
     "LAYOUTS", "chunk_ids", "shard_positions", "shard_sequence", "gather_sequence",
     "cp_group_of", "merge_partials", "ring_attention",
     "check_ulysses", "seq_to_heads", "heads_to_seq", "ulysses_attention",
+    "CPInfo", "RingSelfAttention", "parallelize_cp", "cp_shard",
     "METHODS", "WireBytes", "cp_wire_bytes", "attention_saved_bytes",
 ]

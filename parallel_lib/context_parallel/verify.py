@@ -1,4 +1,4 @@
-"""Exactness checks that run inside ranks: ring and Ulysses attention against full attention in one process.
+"""Exactness checks that run inside ranks: ring and Ulysses attention, and GPT-2 with ring attention, against one process.
 
 :func:`attention_check` is a ``launch`` worker (``fn(rank, world_size, cases)``). Every rank
 draws the same whole q, k, v and output gradient from one seed, runs full attention on them
@@ -17,17 +17,20 @@ from typing import Any, Sequence
 import time
 
 import torch
+import torch.distributed as dist
 
 from parallel_lib.common.checks import check_choice
 from parallel_lib.context_parallel.cost import METHODS
 from parallel_lib.context_parallel.layout import LAYOUTS, shard_sequence
+from parallel_lib.context_parallel.parallelize import cp_shard, parallelize_cp
 from parallel_lib.context_parallel.ring import ring_attention
 from parallel_lib.context_parallel.tiled import TileWork, full_attention
 from parallel_lib.context_parallel.ulysses import ulysses_attention
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.mesh import Mesh
 
-__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check"]
+__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check", "gpt2_check"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +121,45 @@ def stalled_peer_check(rank: int, world_size: int, method: str = "ring", timeout
         except TimeoutError as error:
             return str(error)
         return "no error"
+
+
+def gpt2_check(rank: int, world_size: int, layouts: Sequence[str] = LAYOUTS, seq_len: int = 32,
+               batch: int = 2, vocab_size: int = 64, timeout: float = 60.0) -> dict[str, dict[str, float]]:
+    """The tiny GPT-2 made context-parallel (:func:`.parallelize.parallelize_cp`) against the dense one.
+
+    Every rank runs the dense model on the whole batch, then the context-parallel copy on its
+    tokens; the loss is each rank's tokens' cross-entropy summed and divided by all tokens, so
+    the gradients, summed over ``cp``, are one process's.
+
+    Returns:
+        ``{layout: {"logits": …, "loss": …, "grads": …}}``: largest differences (grads: over every parameter).
+    """
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+    labels = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+    dense = build_model("tiny", vocab_size, seed=0)
+    logits = dense(ids)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()
+    loss.backward()
+    found: dict[str, dict[str, float]] = {}
+    with Mesh(cp=world_size).build(timeout=timeout) as pm:
+        group = pm.group("cp")
+        for layout in layouts:
+            model = parallelize_cp(build_model("tiny", vocab_size, seed=0), pm, layout=layout, block=8,
+                                   timeout=timeout)
+            my_ids, positions = cp_shard(model, ids)
+            my_labels = shard_sequence(labels, world_size, pm.index("cp"), layout, dim=1)
+            mine = model(my_ids, positions=positions)
+            part = torch.nn.functional.cross_entropy(mine.flatten(0, 1), my_labels.flatten(), reduction="sum")
+            (part / labels.numel()).backward()
+            total = part.detach().clone()
+            dist.all_reduce(total, group=group)
+            grads = dict(dense.named_parameters())
+            worst = 0.0
+            for name, p in model.named_parameters():
+                dist.all_reduce(p.grad, group=group)
+                worst = max(worst, float((p.grad - grads[name].grad).abs().max()))
+            expected = shard_sequence(logits.detach(), world_size, pm.index("cp"), layout, dim=1)
+            found[layout] = {"logits": float((mine.detach() - expected).abs().max()),
+                             "loss": abs(float(total) / labels.numel() - float(loss.detach())), "grads": worst}
+    return found
