@@ -166,7 +166,7 @@ def test_ring_and_ulysses_equal_full_attention_forward_and_every_gradient(on_ran
                 assert error < ATOL, f"cp={cp}, rank {rank}, {case}: {name} differs by {error:.2e}"
 
 
-def test_bytes_each_rank_sends_match_the_algorithm(on_ranks):
+def test_bytes_each_rank_sends_and_keeps_match_the_algorithm(on_ranks):
     cp, results = on_ranks
     for found in results:
         for result in found:
@@ -174,6 +174,8 @@ def test_bytes_each_rank_sends_match_the_algorithm(on_ranks):
             expected = cp_wire_bytes(case["method"], case["batch"], case["heads"], case["seq_len"],
                                      case["head_dim"], cp)
             assert result["forward_bytes"] == expected.forward, case
+            assert result["saved_bytes"] == attention_saved_bytes(case["method"], case["batch"], case["heads"],
+                                                                  case["seq_len"], case["head_dim"], cp=cp), case
             assert result["backward_bytes"] == expected.backward, case
             forward, backward = result["calls"]["forward"], result["calls"]["backward"]
             if case["method"] == "ring":   # one stacked K/V message per step; dK/dV one more step
@@ -267,5 +269,9 @@ def test_bad_context_parallel_input_is_refused(one_rank_group):
         cp_wire_bytes("tree", 1, 2, 8, 4, 2)
     with pytest.raises(ValueError, match="seq_len must be divisible by cp"):
         cp_wire_bytes("ring", 1, 2, 9, 4, 2)
+    with pytest.raises(ValueError, match="runs on one rank: pass cp=1"):
+        attention_saved_bytes("tiled", 1, 2, 8, 4, cp=2)
+    with pytest.raises(ValueError, match="heads=2, cp=4"):
+        attention_saved_bytes("ulysses", 1, 2, 8, 4, cp=4)
     with pytest.raises(ValueError, match="layout must be one of"):
         Case(layout="striped")

@@ -71,21 +71,31 @@ def cp_wire_bytes(method: str, batch: int, heads: int, seq_len: int, head_dim: i
 
 
 def attention_saved_bytes(method: str, batch: int, heads: int, seq_len: int, head_dim: int,
-                          causal: bool = False) -> int:
-    """Bytes one attention keeps for backward beyond its inputs q, k, v (fp32), by what it saves.
+                          causal: bool = False, cp: int = 1) -> int:
+    """Bytes one rank's attention keeps for backward beyond its inputs q, k, v (fp32), by what it saves.
 
     - "full" (:func:`.tiled.full_attention`): the probabilities, ``b · n · s²`` fp32 (the softmax's
       output, which the product with V saves too: one tensor), and under a causal mask the
       (s, s) boolean mask ``masked_fill`` keeps: s² bytes;
     - "tiled" (:func:`.tiled.tiled_attention`): the output ``b · n · s · d`` and the softmax's
-      log-sum-exp ``b · n · s``, fp32: nothing grows with s².
+      log-sum-exp ``b · n · s``, fp32: nothing grows with s²;
+    - "ring": the tiled attention's, for this rank's s/cp queries;
+    - "ulysses": for its n/cp heads over the whole sequence, the q, k, v the all-to-all brought
+      (three tensors in one), the output and the log-sum-exp, and the s positions (int64).
 
     Raises:
-        ValueError: an unknown method or a size that is not a positive int.
+        ValueError: an unknown method, a size that is not a positive int, s or n not divisible by cp.
     """
-    check_choice("method", method, ("full", "tiled"))
-    b, n, s, d = (positive_int(name, value) for name, value in (
-        ("batch", batch), ("heads", heads), ("seq_len", seq_len), ("head_dim", head_dim)))
+    check_choice("method", method, ("full", "tiled", "ring", "ulysses"))
+    b, n, s, d, cp = (positive_int(name, value) for name, value in (
+        ("batch", batch), ("heads", heads), ("seq_len", seq_len), ("head_dim", head_dim), ("cp", cp)))
+    if method in ("full", "tiled") and cp != 1:
+        raise ValueError(f"method={method!r} runs on one rank: pass cp=1, got cp={cp}")
+    if s % cp or (method == "ulysses" and n % cp):
+        raise ValueError(f"seq_len (and for Ulysses heads) must be divisible by cp, got seq_len={s}, heads={n}, "
+                         f"cp={cp}")
     if method == "full":
         return b * n * s * s * 4 + (s * s if causal else 0)
-    return b * n * s * (d + 1) * 4
+    if method == "ulysses":
+        return b * (n // cp) * s * (3 * d + d + 1) * 4 + 8 * s
+    return b * n * (s // cp) * (d + 1) * 4

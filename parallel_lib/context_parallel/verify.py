@@ -4,8 +4,8 @@
 draws the same whole q, k, v and output gradient from one seed, runs full attention on them
 (the reference), takes its shard (:mod:`.layout`), runs the context-parallel attention over
 the mesh's ``cp`` group and returns, per case, the largest differences of its output and
-gradients from the same shard of the reference, the work it did and the bytes it sent
-(forward and backward, from the collective counter). Several cases share one launch: starting
+gradients from the same shard of the reference, the work it did, the bytes it sent
+(forward and backward, from the collective counter) and the bytes it kept for backward (census). Several cases share one launch: starting
 ranks costs more than a small attention.
 """
 
@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallel_lib.common.activations import SavedTensors
 from parallel_lib.common.checks import check_choice
 from parallel_lib.context_parallel.cost import METHODS
 from parallel_lib.context_parallel.layout import LAYOUTS, shard_sequence
@@ -61,6 +62,7 @@ class CaseResult:
     work: TileWork = field(default_factory=TileWork)          # tiles this rank computed forward
     forward_bytes: float = 0.0                               # sent, as the collective counter saw it
     backward_bytes: float = 0.0
+    saved_bytes: int = 0                                     # kept for backward beyond q, k, v (census)
     calls: dict[str, Any] = field(default_factory=dict)      # {kind: (calls, bytes)} forward and backward
 
 
@@ -78,7 +80,7 @@ def _one(case: Case, group: Any, index: int, cp: int, timeout: float) -> CaseRes
     local = [mine(t).requires_grad_(True) for t in (q, k, v)]
     attention = ring_attention if case.method == "ring" else ulysses_attention
     result = CaseResult(case)
-    with count_collectives() as forward:
+    with count_collectives() as forward, SavedTensors(exclude=local) as saved:
         out = attention(*local, group, causal=case.causal, layout=case.layout, block=case.block,
                         timeout=timeout, work=result.work)
     with count_collectives() as backward:
@@ -87,6 +89,7 @@ def _one(case: Case, group: Any, index: int, cp: int, timeout: float) -> CaseRes
     for name, got, want in zip(("dq", "dk", "dv"), local, whole):
         result.errors[name] = float((got.grad - mine(want.grad)).abs().max())
     result.forward_bytes, result.backward_bytes = forward.wire_bytes(), backward.wire_bytes()
+    result.saved_bytes = saved.nbytes
     result.calls = {"forward": forward.by_kind(), "backward": backward.by_kind()}
     return result
 
