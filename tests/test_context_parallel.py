@@ -19,7 +19,8 @@ from parallel_lib.context_parallel import (
     merge_partials, ring_attention, saved_attention_bytes, shard_positions, shard_sequence, tiled_attention,
     tiled_forward, ulysses_attention)
 from parallel_lib.context_parallel import cp_shard, parallelize_cp
-from parallel_lib.context_parallel.verify import Case, attention_check, gpt2_check, stalled_peer_check
+from parallel_lib.context_parallel.verify import (Case, attention_check, gpt2_check, several, stalled_peer_check,
+                                                  torch_context_parallel_check)
 from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
 
@@ -151,14 +152,24 @@ def _cases(heads: int) -> list[Case]:
     return exact + balance
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
-def on_ranks(request):
-    cp = request.param
-    return cp, launch(attention_check, cp, _cases(4), backend="gloo", timeout=180, startup_timeout=120)
+@pytest.fixture(scope="module")
+def on_ranks():
+    """One launch per cp: the attention cases; at cp = 2 also GPT-2 with ring attention, and PyTorch's CP.
+
+    ``{cp: (each rank's case results, each rank's other results)}``.
+    """
+    runs = {}
+    for cp in (2, 4):
+        jobs = [(attention_check, (_cases(4),))] + ([(gpt2_check, ()), (torch_context_parallel_check, ())]
+                                                   if cp == 2 else [])
+        results = launch(several, cp, jobs, backend="gloo", timeout=180, startup_timeout=120)
+        runs[cp] = ([r[0] for r in results], [r[1:] for r in results])
+    return runs
 
 
-def test_ring_and_ulysses_equal_full_attention_forward_and_every_gradient(on_ranks):
-    cp, results = on_ranks
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_and_ulysses_equal_full_attention_forward_and_every_gradient(on_ranks, cp):
+    results = on_ranks[cp][0]
     for rank, found in enumerate(results):
         for result in found:
             case = result["case"]
@@ -166,8 +177,9 @@ def test_ring_and_ulysses_equal_full_attention_forward_and_every_gradient(on_ran
                 assert error < ATOL, f"cp={cp}, rank {rank}, {case}: {name} differs by {error:.2e}"
 
 
-def test_bytes_each_rank_sends_and_keeps_match_the_algorithm(on_ranks):
-    cp, results = on_ranks
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bytes_each_rank_sends_and_keeps_match_the_algorithm(on_ranks, cp):
+    results = on_ranks[cp][0]
     for found in results:
         for result in found:
             case = result["case"]
@@ -186,8 +198,9 @@ def test_bytes_each_rank_sends_and_keeps_match_the_algorithm(on_ranks):
                 assert "send" not in forward
 
 
-def test_zigzag_balances_causal_work_and_the_contiguous_split_does_not(on_ranks):
-    cp, results = on_ranks
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_balances_causal_work_and_the_contiguous_split_does_not(on_ranks, cp):
+    results = on_ranks[cp][0]
     work = {layout: [next(r["work"] for r in found if r["case"]["seq_len"] == 128 and r["case"]["layout"] == layout)
                      for found in results] for layout in ("contiguous", "zigzag")}
     zigzag = [w["entries"] for w in work["zigzag"]]
@@ -211,10 +224,9 @@ def test_a_peer_that_never_answers_times_out_naming_the_rank(method):
 
 # --- the one GPT-2 with ring attention -----------------------------------------------------------
 
-def test_gpt2_with_ring_attention_equals_the_dense_model():
+def test_gpt2_with_ring_attention_equals_the_dense_model(on_ranks):
     """Logits of each rank's tokens, the loss, and every parameter's gradient summed over cp (both layouts)."""
-    results = launch(gpt2_check, 2, backend="gloo", timeout=180, startup_timeout=120)
-    for rank, found in enumerate(results):
+    for rank, (found, _) in enumerate(on_ranks[2][1]):
         assert set(found) == {"contiguous", "zigzag"}
         for layout, errors in found.items():
             for name, error in errors.items():
@@ -237,6 +249,15 @@ def test_parallelize_cp_refuses_what_it_cannot_run(one_rank_group):
         model(ids, attention_mask=torch.ones(2, 8))
     my_ids, positions = cp_shard(model, ids)   # one rank: the whole sequence, and the dense model's logits
     torch.testing.assert_close(model(my_ids, positions=positions), build_model("tiny", 64)(ids), rtol=0, atol=ATOL)
+
+
+def test_pytorch_context_parallel_beside_ours(on_ranks):
+    """Where PyTorch's context_parallel runs, it agrees with attention; on a CPU it refuses, for a named reason."""
+    for _, theirs in on_ranks[2][1]:
+        if theirs["ran"]:
+            assert theirs["output"] < ATOL
+        else:  # its dispatcher intercepts the CUDA kernels only; the CPU kernel has no sharding rule
+            assert "_scaled_dot_product_flash_attention_for_cpu" in theirs["error"], theirs["error"]
 
 
 # --- one rank, and bad input ----------------------------------------------------------------------

@@ -1,18 +1,20 @@
-"""Exactness checks that run inside ranks: ring and Ulysses attention, and GPT-2 with ring attention, against one process.
+"""Exactness checks that run inside ranks: ring and Ulysses attention, GPT-2 with ring attention, PyTorch's CP.
 
 :func:`attention_check` is a ``launch`` worker (``fn(rank, world_size, cases)``). Every rank
 draws the same whole q, k, v and output gradient from one seed, runs full attention on them
 (the reference), takes its shard (:mod:`.layout`), runs the context-parallel attention over
 the mesh's ``cp`` group and returns, per case, the largest differences of its output and
-gradients from the same shard of the reference, the work it did, the bytes it sent
-(forward and backward, from the collective counter) and the bytes it kept for backward (census). Several cases share one launch: starting
-ranks costs more than a small attention.
+gradients from the same shard of the reference, the work it did, the bytes it sent (forward
+and backward, from the collective counter) and the bytes it kept for backward (the census).
+:func:`gpt2_check` does the same for the whole model (:mod:`.parallelize`), and
+:func:`torch_context_parallel_check` runs PyTorch's own context parallelism where it can.
+Several checks share one launch (:func:`several`): starting ranks costs more than they do.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import time
 
@@ -31,7 +33,8 @@ from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.mesh import Mesh
 
-__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check", "gpt2_check"]
+__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check", "gpt2_check", "torch_context_parallel_check",
+           "several"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +169,36 @@ def gpt2_check(rank: int, world_size: int, layouts: Sequence[str] = LAYOUTS, seq
             found[layout] = {"logits": float((mine.detach() - expected).abs().max()),
                              "loss": abs(float(total) / labels.numel() - float(loss.detach())), "grads": worst}
     return found
+
+
+def torch_context_parallel_check(rank: int, world_size: int, seq_len: int = 16) -> dict[str, Any]:
+    """PyTorch's own ``context_parallel`` on causal SDPA, against one process, where it runs.
+
+    Returns:
+        ``{"ran": True, "output": largest difference}``, or ``{"ran": False, "error": the message}``
+        where PyTorch refuses: its context parallelism intercepts the CUDA SDPA kernels (flash,
+        memory-efficient, cuDNN); on a CPU, SDPA calls ``_scaled_dot_product_flash_attention_for_cpu``,
+        which has no sharding rule (torch 2.13).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, seq_len, 8, generator=gen).to(device) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    buffers = [t.clone() for t in (q, k, v)]
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            out = torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
+        (whole,) = context_parallel_unshard(mesh, [out], [2])
+    except NotImplementedError as error:
+        return {"ran": False, "error": str(error)}
+    return {"ran": True, "output": float((whole - expected).abs().max())}
+
+
+def several(rank: int, world_size: int, jobs: Sequence[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` for each ``(fn, args)`` in one launch: what each returned."""
+    return [fn(rank, world_size, *args) for fn, args in jobs]
