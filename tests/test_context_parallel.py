@@ -296,3 +296,37 @@ def test_bad_context_parallel_input_is_refused(one_rank_group):
         attention_saved_bytes("ulysses", 1, 2, 8, 4, cp=4)
     with pytest.raises(ValueError, match="layout must be one of"):
         Case(layout="striped")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_step_record_replays_to_every_block_everywhere_and_every_gradient_home(on_ranks, cp):
+    """From the ranks' own step records: forward, each rank sees every block once, handed on by its left
+    neighbour; backward, each block's dK/dV accumulator visits all cp ranks and ends at the block's owner."""
+    for case_index, case in enumerate(on_ranks[cp][0][0]):
+        if case["case"]["method"] != "ring":
+            continue
+        events = {(e["direction"], e["step"], e["rank"]): e for found in on_ranks[cp][0]
+                  for e in found[case_index]["record"]}
+        assert len(events) == cp * cp + cp * (cp + 1)
+        for r in range(cp):
+            assert sorted(events["forward", t, r]["block"] for t in range(cp)) == list(range(cp))
+            for t in range(1, cp):   # the block in hand is the one the left neighbour held a step before
+                assert events["forward", t, r]["block"] == events["forward", t - 1, (r - 1) % cp]["block"]
+                assert "kv" in events["forward", t - 1, (r - 1) % cp]["sends"]
+            work = on_ranks[cp][0][r][case_index]["work"]
+            assert sum(events["forward", t, r]["tiles"] for t in range(cp)) == work["tiles"]
+            for t in range(cp):      # backward recomputes exactly forward's tiles
+                assert events["backward", t, r]["tiles"] == events["forward", t, r]["tiles"]
+        contributors = {}            # rank -> (block, ranks whose queries added to its dK/dV) finished last step
+        for t in range(cp + 1):
+            finished = {}
+            for r in range(cp):
+                left, event = (r - 1) % cp, events["backward", t, r]
+                incoming = contributors[left] if "dkv" in events["backward", t, left]["sends"] else None
+                if t == cp:          # the home step: my own block's accumulator, from every rank
+                    assert incoming == (r, set(range(cp))), (t, r, incoming)
+                    continue
+                if incoming is not None:
+                    assert incoming[0] == event["block"], (t, r)
+                finished[r] = (event["block"], (incoming[1] if incoming else set()) | {r})
+            contributors = finished

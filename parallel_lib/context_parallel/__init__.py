@@ -12,7 +12,7 @@
 from parallel_lib.context_parallel.cost import METHODS, WireBytes, attention_saved_bytes, cp_wire_bytes
 from parallel_lib.context_parallel.layout import LAYOUTS, chunk_ids, gather_sequence, shard_positions, shard_sequence
 from parallel_lib.context_parallel.parallelize import CPInfo, RingSelfAttention, cp_shard, parallelize_cp
-from parallel_lib.context_parallel.ring import cp_group_of, merge_partials, ring_attention
+from parallel_lib.context_parallel.ring import RingEvent, cp_group_of, merge_partials, ring_attention
 from parallel_lib.context_parallel.tiled import (TileWork, full_attention, saved_attention_bytes, tiled_attention,
                                                  tiled_backward, tiled_forward)
 from parallel_lib.context_parallel.ulysses import check_ulysses, heads_to_seq, seq_to_heads, ulysses_attention
@@ -20,7 +20,7 @@ from parallel_lib.context_parallel.ulysses import check_ulysses, heads_to_seq, s
 __all__ = [
     "TileWork", "full_attention", "tiled_attention", "tiled_forward", "tiled_backward", "saved_attention_bytes",
     "LAYOUTS", "chunk_ids", "shard_positions", "shard_sequence", "gather_sequence",
-    "cp_group_of", "merge_partials", "ring_attention",
+    "RingEvent", "cp_group_of", "merge_partials", "ring_attention",
     "check_ulysses", "seq_to_heads", "heads_to_seq", "ulysses_attention",
     "CPInfo", "RingSelfAttention", "parallelize_cp", "cp_shard",
     "METHODS", "WireBytes", "cp_wire_bytes", "attention_saved_bytes",

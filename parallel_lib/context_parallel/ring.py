@@ -23,6 +23,10 @@ it is back at the block's owner, complete. Per rank: cp − 1 key/value sends fo
 key/value sends and cp dK/dV sends backward (:mod:`.cost` counts them against the
 collective counter). dQ stays local.
 
+**The step record** (``record=``): one :class:`RingEvent` per rank and step, what was in hand,
+what was sent and how many tiles were computed. The chapter's widget replays it, and the tests
+replay it to check that every block met every rank's queries and every dK/dV came home whole.
+
 **Causal masking** uses positions (:mod:`.layout`): a block whose keys all come after every
 query of this rank costs nothing, which is why the contiguous split leaves the first ranks
 idle and the zig-zag split does not.
@@ -30,6 +34,7 @@ idle and the zig-zag split does not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -41,7 +46,23 @@ from parallel_lib.context_parallel.layout import LAYOUTS, shard_positions
 from parallel_lib.context_parallel.tiled import TileWork, check_qkv, tiled_backward, tiled_forward
 from parallel_lib.runtime.mesh import RankMesh
 
-__all__ = ["cp_group_of", "merge_partials", "ring_attention", "timed_wait"]
+__all__ = ["RingEvent", "cp_group_of", "merge_partials", "ring_attention", "timed_wait"]
+
+
+@dataclass(frozen=True)
+class RingEvent:
+    """One step of one rank, as ring attention ran it: the record a widget replays and a test checks.
+
+    Backward has one step more than forward (step ``cp``): the last dK/dV accumulator goes home
+    (``block`` is then the block whose accumulator is sent, and nothing is computed).
+    """
+
+    direction: str             # "forward" or "backward"
+    step: int                  # t = 0 .. cp - 1 (backward: .. cp)
+    rank: int                  # this rank's index along cp
+    block: int                 # the cp index of the rank whose key/value block is in hand
+    sends: tuple[str, ...]     # what this step's one batch_isend_irecv sent right: "kv", "dkv"
+    tiles: int                 # tiles of attention computed on the block (TileWork.tiles)
 
 
 def cp_group_of(mesh_or_group: Any) -> Any:
@@ -112,6 +133,16 @@ class _Ring:
         """The positions of the tokens cp rank ``index`` holds."""
         return shard_positions(self.seq_len, self.cp, index % self.cp, self.layout, self.device)
 
+    def note(self, record: Optional[list], work: Optional[TileWork], direction: str, step: int,
+             sends: tuple[str, ...], done: TileWork) -> None:
+        """Add a step's tiles to ``work`` and its :class:`RingEvent` to ``record`` (either may be None)."""
+        if work is not None:
+            work.add(done)
+        if record is not None:
+            home = step == self.cp                 # backward's extra step: the accumulator of last step's block
+            block = (self.index - step + home) % self.cp
+            record.append(RingEvent(direction, step, self.index, block, sends, done.tiles))
+
     def post(self, sends: list[torch.Tensor]) -> tuple[list[Any], list[torch.Tensor]]:
         """[1] One ``batch_isend_irecv``: each tensor → right-hand neighbour, one like it ← left-hand one."""
         inbox = [torch.empty_like(t) for t in sends]
@@ -131,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 layout: str, block: int, scale: Optional[float], timeout: float,
-                work: Optional[TileWork]) -> torch.Tensor:
+                work: Optional[TileWork], record: Optional[list]) -> torch.Tensor:
         ring = _Ring(group, layout, q.shape[2], timeout, q.device)
         q_pos = ring.positions(ring.index)
         kv = torch.stack([k, v]).contiguous()                                  # (2, b, n, s/cp, d): one message
@@ -139,13 +170,15 @@ class _RingAttention(torch.autograd.Function):
         lse: Optional[torch.Tensor] = None
         for t in range(ring.cp):
             pending = ring.post([kv]) if t < ring.cp - 1 else None             # [1] before the compute
+            tiles = TileWork()
             o, l = tiled_forward(q, kv[0], kv[1], causal, q_pos, ring.positions(ring.index - t), block, scale,
-                                 work)                                          # [2]
+                                 tiles)                                         # [2]
             out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)  # [3]
+            ring.note(record, work, "forward", t, ("kv",) if pending else (), tiles)
             if pending is not None:
                 kv = ring.finish(pending, f"forward step {t}: the key/value block")[0]   # [4]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.causal, ctx.block, ctx.scale = ring, causal, block, scale
+        ctx.ring, ctx.causal, ctx.block, ctx.scale, ctx.record = ring, causal, block, scale, record
         return out.to(q.dtype)
 
     @staticmethod
@@ -157,10 +190,12 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         done: Optional[torch.Tensor] = None       # the dK/dV accumulator of the block finished last step (fp32)
         for t in range(ring.cp):
-            sends = ([kv] if t < ring.cp - 1 else []) + ([done] if done is not None else [])
-            pending = ring.post(sends) if sends else None
+            sending = ([("kv", kv)] if t < ring.cp - 1 else []) + ([("dkv", done)] if done is not None else [])
+            pending = ring.post([tensor for _, tensor in sending]) if sending else None
+            recomputed = TileWork()
             dq_t, dk_t, dv_t = tiled_backward(dout, q, kv[0], kv[1], out, lse, ctx.causal, q_pos,
-                                              ring.positions(ring.index - t), ctx.block, ctx.scale)
+                                              ring.positions(ring.index - t), ctx.block, ctx.scale, recomputed)
+            ring.note(ctx.record, None, "backward", t, tuple(name for name, _ in sending), recomputed)
             dq += dq_t
             mine = torch.stack([dk_t, dv_t])
             if pending is not None:
@@ -172,14 +207,17 @@ class _RingAttention(torch.autograd.Function):
             done = mine
         assert done is not None
         if ring.cp > 1:                            # the last accumulator goes home: the right-hand rank owns it
-            done = ring.finish(ring.post([done]), "the last dK/dV step: my block's dK/dV")[0]
+            pending = ring.post([done])
+            ring.note(ctx.record, None, "backward", ring.cp, ("dkv",), TileWork())
+            done = ring.finish(pending, "the last dK/dV step: my block's dK/dV")[0]
         return (dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool = False,
                    layout: str = "contiguous", block: int = 64, scale: Optional[float] = None,
-                   timeout: float = 60.0, work: Optional[TileWork] = None) -> torch.Tensor:
+                   timeout: float = 60.0, work: Optional[TileWork] = None,
+                   record: Optional[list] = None) -> torch.Tensor:
     """Attention of this rank's queries on the whole sequence, the keys and values passed round ``group``.
 
     Every rank of the group calls it with its own shard (:func:`.layout.shard_sequence` of q,
@@ -195,6 +233,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         scale: default ``d ** -0.5``.
         timeout: seconds any exchange may wait.
         work: if given, the tiles this rank computes forward are added to it.
+        record: if given, a list this rank's :class:`RingEvent` of every step (forward, then
+            backward) is appended to.
 
     Returns:
         (b, n, s/cp, d), this rank's part of the output.
@@ -216,4 +256,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     if q.shape[2] % 2:
         raise ValueError(f"each rank holds two chunks of the sequence, so s/cp must be even, got "
                          f"{q.shape[2]} tokens per rank; pad the sequence to a multiple of 2·cp")
-    return _RingAttention.apply(q, k, v, group, bool(causal), layout, block, scale, float(timeout), work)
+    return _RingAttention.apply(q, k, v, group, bool(causal), layout, block, scale, float(timeout), work, record)

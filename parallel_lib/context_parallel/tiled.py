@@ -172,8 +172,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool = False, q_pos: Optional[torch.Tensor] = None,
-                   k_pos: Optional[torch.Tensor] = None, block: int = 64,
-                   scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   k_pos: Optional[torch.Tensor] = None, block: int = 64, scale: Optional[float] = None,
+                   work: Optional[TileWork] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention for ``q`` against these keys, from the softmax's ``lse``: tiles recomputed.
 
     ``out`` and ``lse`` are the *whole* attention's (over every key of the sequence), so the
@@ -182,7 +182,7 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
     Args:
         dout: (b, n, sq, d) gradient of the output; out, lse: as :func:`tiled_forward` returned them
-            (for all keys); the rest: as :func:`tiled_forward`.
+            (for all keys); the rest: as :func:`tiled_forward` (``work`` counts the tiles recomputed).
 
     Returns:
         ``(dq, dk, dv)`` in fp32: dq the contribution of these keys, dk and dv those of these queries.
@@ -199,6 +199,9 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             allowed = kp[None, kj] <= qp[qi, None] if causal else None
             if allowed is not None and not bool(allowed.any()):
                 continue
+            if work is not None:
+                area = (qi.stop - qi.start) * (kj.stop - kj.start)
+                work.add(TileWork(1, area, area if allowed is None else int(allowed.sum())))
             s = (qf[:, :, qi] @ kf[:, :, kj].transpose(-1, -2)) * scale
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))

@@ -66,6 +66,7 @@ class CaseResult:
     forward_bytes: float = 0.0                               # sent, as the collective counter saw it
     backward_bytes: float = 0.0
     saved_bytes: int = 0                                     # kept for backward beyond q, k, v (census)
+    record: list = field(default_factory=list)               # the ring's RingEvent of every step (ring only)
     calls: dict[str, Any] = field(default_factory=dict)      # {kind: (calls, bytes)} forward and backward
 
 
@@ -81,11 +82,14 @@ def _one(case: Case, group: Any, index: int, cp: int, timeout: float) -> CaseRes
         return shard_sequence(t, cp, index, case.layout, dim=2)
 
     local = [mine(t).requires_grad_(True) for t in (q, k, v)]
-    attention = ring_attention if case.method == "ring" else ulysses_attention
     result = CaseResult(case)
+    options: dict[str, Any] = dict(causal=case.causal, layout=case.layout, block=case.block, timeout=timeout,
+                                   work=result.work)
     with count_collectives() as forward, SavedTensors(exclude=local) as saved:
-        out = attention(*local, group, causal=case.causal, layout=case.layout, block=case.block,
-                        timeout=timeout, work=result.work)
+        if case.method == "ring":
+            out = ring_attention(*local, group, record=result.record, **options)
+        else:
+            out = ulysses_attention(*local, group, **options)
     with count_collectives() as backward:
         out.backward(mine(upstream))
     result.errors = {"output": float((out.detach() - mine(reference.detach())).abs().max())}
