@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from parallel_lib.context_parallel import (
     TileWork, attention_saved_bytes, check_ulysses, chunk_ids, cp_wire_bytes, full_attention, gather_sequence,
-    merge_partials, ring_attention, saved_attention_bytes, shard_positions, shard_sequence, tiled_attention,
-    tiled_forward, ulysses_attention)
+    hiding_seq_len, merge_partials, ring_attention, ring_step_flops, ring_step_time, saved_attention_bytes,
+    shard_positions, shard_sequence, tiled_attention, tiled_forward, ulysses_attention)
 from parallel_lib.context_parallel import cp_shard, parallelize_cp
 from parallel_lib.context_parallel.verify import (Case, attention_check, gpt2_check, several, stalled_peer_check,
                                                   torch_context_parallel_check)
@@ -109,6 +109,36 @@ def test_bad_attention_inputs_are_refused():
         tiled_attention(q, q, q, block=0)
     with pytest.raises(ValueError, match="q_pos must be a 1-d tensor of 8 positions"):
         tiled_forward(q, q, q, causal=True, q_pos=torch.arange(7))
+
+
+# --- when a ring step hides its transfer ---------------------------------------------------------
+
+def test_a_ring_step_computes_the_flops_the_formula_says():
+    """PyTorch's FLOP counter on one step's attention (a whole block, in tiles), against ring_step_flops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, n, s, d, cp = 2, 3, 64, 8, 2
+    q, k, v = (torch.randn(b, n, s // cp, d) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        tiled_forward(q, k, v, block=8)
+    assert counter.get_total_flops() == ring_step_flops(b, n, s, d, cp)
+
+
+def test_the_hiding_length_is_where_compute_overtakes_the_transfer():
+    rate, alpha, beta = 4e14, 5e-6, 4e11          # a GPU's bf16 rate, an NVLink-like link
+    s = hiding_seq_len(1, 32, 128, 16, rate, alpha, beta, itemsize=2)
+    assert s % 32 == 0
+    assert ring_step_time(1, 32, s, 128, 16, rate, alpha, beta, 2).hidden
+    assert not ring_step_time(1, 32, s - 32, 128, 16, rate, alpha, beta, 2).hidden
+    # without latency the root is L = 2·itemsize·F / (4·β) tokens per rank: 1000 here
+    assert hiding_seq_len(1, 32, 128, 16, rate, 0.0, beta, itemsize=2) == pytest.approx(16 * 1000, abs=32)
+    # a step moves one K and one V block: what the collective counter saw per step (test above)
+    step = ring_step_time(1, 2, 32, 8, 2, 1.0, 0.0, 1.0)
+    assert step.transfer_s == cp_wire_bytes("ring", 1, 2, 32, 8, 2).forward / (2 - 1)
+    with pytest.raises(ValueError, match="bytes_per_s must be > 0"):
+        hiding_seq_len(1, 2, 8, 2, 1e9, 0.0, 0.0)
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        ring_step_time(1, 2, 8, 4, 2, 1e9, -1.0, 1e9)
 
 
 # --- layouts --------------------------------------------------------------------------------------

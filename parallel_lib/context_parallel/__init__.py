@@ -5,11 +5,12 @@
 - :mod:`.ring`: ring attention, key/value blocks passed round the ring, merged by log-sum-exp;
 - :mod:`.ulysses`: DeepSpeed Ulysses, sequence shards swapped for head shards by all-to-all;
 - :mod:`.parallelize`: ``parallelize_cp``, the one GPT-2 with its attention swapped for ring attention;
-- :mod:`.cost`: bytes on the wire per rank, and bytes attention keeps for backward, from the algorithms;
+- :mod:`.cost`: bytes on the wire per rank, bytes attention keeps for backward, when a ring step hides its transfer;
 - :mod:`.verify`: exactness checks that run inside ranks (ring and Ulysses against full attention).
 """
 
-from parallel_lib.context_parallel.cost import METHODS, WireBytes, attention_saved_bytes, cp_wire_bytes
+from parallel_lib.context_parallel.cost import (METHODS, RingStepTime, WireBytes, attention_saved_bytes, cp_wire_bytes,
+                                               hiding_seq_len, ring_step_flops, ring_step_time)
 from parallel_lib.context_parallel.layout import LAYOUTS, chunk_ids, gather_sequence, shard_positions, shard_sequence
 from parallel_lib.context_parallel.parallelize import CPInfo, RingSelfAttention, cp_shard, parallelize_cp
 from parallel_lib.context_parallel.ring import RingEvent, cp_group_of, merge_partials, ring_attention
@@ -23,5 +24,6 @@ __all__ = [
     "RingEvent", "cp_group_of", "merge_partials", "ring_attention",
     "check_ulysses", "seq_to_heads", "heads_to_seq", "ulysses_attention",
     "CPInfo", "RingSelfAttention", "parallelize_cp", "cp_shard",
-    "METHODS", "WireBytes", "cp_wire_bytes", "attention_saved_bytes",
+    "METHODS", "WireBytes", "cp_wire_bytes", "attention_saved_bytes", "ring_step_flops", "RingStepTime",
+    "ring_step_time", "hiding_seq_len",
 ]

@@ -1,4 +1,4 @@
-"""Bytes on the wire per rank for context parallelism (and what attention keeps for backward), from the algorithms.
+"""Bytes on the wire per rank for context parallelism, what attention keeps for backward, when a ring step hides.
 
 One key (or value) block is ``b · n · (s/cp) · d`` elements: one rank's tokens of every head.
 
@@ -18,11 +18,13 @@ counter (:mod:`parallel_lib.runtime.collectives`) measures both; the tests put t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.checks import check_choice, check_number, positive_int, positive_number
 
-__all__ = ["WireBytes", "METHODS", "cp_wire_bytes", "attention_saved_bytes"]
+__all__ = ["WireBytes", "METHODS", "cp_wire_bytes", "attention_saved_bytes", "ring_step_flops", "RingStepTime",
+           "ring_step_time", "hiding_seq_len"]
 
 METHODS = ("ring", "ulysses")
 GRAD_ITEMSIZE = 4  # the ring's dK/dV accumulators are fp32
@@ -99,3 +101,77 @@ def attention_saved_bytes(method: str, batch: int, heads: int, seq_len: int, hea
     if method == "ulysses":
         return b * (n // cp) * s * (3 * d + d + 1) * 4 + 8 * s
     return b * n * (s // cp) * (d + 1) * 4
+
+
+def ring_step_flops(batch: int, heads: int, seq_len: int, head_dim: int, cp: int) -> int:
+    """Floating-point operations of one forward ring step on a whole (unmasked) block.
+
+    Two products of (s/cp)² · d multiply-adds per head: the scores ``q kᵀ`` and ``P v``, so
+    ``4 · b · n · (s/cp)² · d`` (a causal block on the diagonal does half the useful work, but a
+    kernel computes its tiles whole). The exponentials and rescaling are O((s/cp)²) too, with no
+    factor d: left out, as FLOP counters do.
+
+    Raises:
+        ValueError: a size that is not a positive int; ``seq_len`` not divisible by cp.
+    """
+    b, n, s, d, cp = (positive_int(name, value) for name, value in (
+        ("batch", batch), ("heads", heads), ("seq_len", seq_len), ("head_dim", head_dim), ("cp", cp)))
+    if s % cp:
+        raise ValueError(f"seq_len must be divisible by cp, got seq_len={s}, cp={cp}")
+    return 4 * b * n * (s // cp) ** 2 * d
+
+
+@dataclass(frozen=True)
+class RingStepTime:
+    """One forward ring step: the block's attention against moving the next K and V block (α–β)."""
+
+    compute_s: float
+    transfer_s: float
+
+    @property
+    def hidden(self) -> bool:
+        """Whether the transfer, posted before the compute, finishes before it."""
+        return self.transfer_s <= self.compute_s
+
+
+def ring_step_time(batch: int, heads: int, seq_len: int, head_dim: int, cp: int, flops_per_s: float,
+                   latency_s: float, bytes_per_s: float, itemsize: int = 4) -> RingStepTime:
+    """Predicted time of one ring step's compute (:func:`ring_step_flops` / rate) and transfer (α + bytes / β).
+
+    Args:
+        batch, heads, seq_len, head_dim, cp: the attention's shape and the ranks sharing it.
+        flops_per_s: the measured compute rate (:mod:`parallel_lib.common.machine_speed`).
+        latency_s, bytes_per_s: the link's α and β (one message of one K and one V block).
+        itemsize: bytes per element of k and v.
+
+    Raises:
+        ValueError: bad sizes, a rate or bandwidth not > 0, a negative latency.
+    """
+    flops = ring_step_flops(batch, heads, seq_len, head_dim, cp)
+    rate, beta = positive_number("flops_per_s", flops_per_s), positive_number("bytes_per_s", bytes_per_s)
+    alpha = check_number("latency_s", latency_s, 0.0)
+    block_bytes = 2 * batch * heads * (seq_len // cp) * head_dim * positive_int("itemsize", itemsize)
+    return RingStepTime(compute_s=flops / rate, transfer_s=alpha + block_bytes / beta)
+
+
+def hiding_seq_len(batch: int, heads: int, head_dim: int, cp: int, flops_per_s: float, latency_s: float,
+                   bytes_per_s: float, itemsize: int = 4) -> int:
+    """The shortest sequence (a multiple of 2·cp) at which a ring step's compute hides its transfer.
+
+    With L = s/cp tokens per rank, compute grows as L² and the transfer as L, so past one length
+    the transfer is hidden: the root of ``4 b n d L² / F = α + 2 b n d e L / β``.
+
+    Raises:
+        ValueError: as :func:`ring_step_time`.
+    """
+    positive_int("cp", cp)
+    rate, beta = positive_number("flops_per_s", flops_per_s), positive_number("bytes_per_s", bytes_per_s)
+    alpha = check_number("latency_s", latency_s, 0.0)
+    per_token = batch * heads * head_dim
+    quad, lin = 4 * per_token / rate, 2 * per_token * positive_int("itemsize", itemsize) / beta
+    tokens = (lin + math.sqrt(lin * lin + 4 * quad * alpha)) / (2 * quad)       # L at which they are equal
+    step = 2 * cp
+    seq_len = max(step, math.ceil(tokens * cp / step) * step)
+    while not ring_step_time(batch, heads, seq_len, head_dim, cp, rate, alpha, beta, itemsize).hidden:
+        seq_len += step                                                         # rounding at the root
+    return seq_len
