@@ -21,10 +21,12 @@ from parallel_lib.context_parallel import (
 from parallel_lib.context_parallel import cp_shard, parallelize_cp
 from parallel_lib.context_parallel.verify import (Case, attention_check, gpt2_check, several, stalled_peer_check,
                                                   torch_context_parallel_check)
+from parallel_lib.context_parallel.measure import Shape, measure_context, measure_on_ranks, measure_one_process
 from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
 
 ATOL = 1e-5
+MEASURED, MEASURE_SHAPE = [32, 64], Shape(heads=4, head_dim=8, block=8, repeats=1)
 
 
 def _grads(attention, q, k, v, upstream, **kwargs):
@@ -190,8 +192,8 @@ def on_ranks():
     """
     runs = {}
     for cp in (2, 4):
-        jobs = [(attention_check, (_cases(4),))] + ([(gpt2_check, ()), (torch_context_parallel_check, ())]
-                                                   if cp == 2 else [])
+        jobs = [(attention_check, (_cases(4),))] + ([(gpt2_check, ()), (torch_context_parallel_check, ()),
+                                                    (measure_on_ranks, (MEASURED, MEASURE_SHAPE))] if cp == 2 else [])
         results = launch(several, cp, jobs, backend="gloo", timeout=180, startup_timeout=120)
         runs[cp] = ([r[0] for r in results], [r[1:] for r in results])
     return runs
@@ -256,7 +258,7 @@ def test_a_peer_that_never_answers_times_out_naming_the_rank(method):
 
 def test_gpt2_with_ring_attention_equals_the_dense_model(on_ranks):
     """Logits of each rank's tokens, the loss, and every parameter's gradient summed over cp (both layouts)."""
-    for rank, (found, _) in enumerate(on_ranks[2][1]):
+    for rank, (found, *_) in enumerate(on_ranks[2][1]):
         assert set(found) == {"contiguous", "zigzag"}
         for layout, errors in found.items():
             for name, error in errors.items():
@@ -283,11 +285,30 @@ def test_parallelize_cp_refuses_what_it_cannot_run(one_rank_group):
 
 def test_pytorch_context_parallel_beside_ours(on_ranks):
     """Where PyTorch's context_parallel runs, it agrees with attention; on a CPU it refuses, for a named reason."""
-    for _, theirs in on_ranks[2][1]:
+    for _, theirs, *_ in on_ranks[2][1]:
         if theirs["ran"]:
             assert theirs["output"] < ATOL
         else:  # its dispatcher intercepts the CUDA kernels only; the CPU kernel has no sharding rule
             assert "_scaled_dot_product_flash_attention_for_cpu" in theirs["error"], theirs["error"]
+
+
+def test_measurements_report_the_census_the_work_and_the_bytes(on_ranks):
+    here = measure_one_process(MEASURED, MEASURE_SHAPE)
+    assert [(m.method, m.seq_len) for m in here] == [("full", 32), ("tiled", 32), ("full", 64), ("tiled", 64)]
+    for m in here:
+        assert m.saved_bytes == (attention_saved_bytes(m.method, 1, 4, m.seq_len, 8, causal=True),)
+        assert m.seconds[0] > 0 and m.wire_bytes == (0.0,)
+    runs = [found[2] for found in on_ranks[2][1]]   # each rank's list of runs
+    assert len(runs[0]) == len(MEASURED) * 3
+    for i, first in enumerate(runs[0]):
+        ranks = [r[i] for r in runs]
+        method, s = first["method"], first["seq_len"]
+        assert all(r["saved_bytes"] == attention_saved_bytes(method, 1, 4, s, 8, cp=2) for r in ranks)
+        assert all(r["wire_bytes"] == cp_wire_bytes(method, 1, 4, s, 8, 2).total for r in ranks)
+        if first["layout"] == "zigzag":
+            assert len({r["tiles"] for r in ranks}) == 1
+    with pytest.raises(ValueError, match="divisible by 2·cp = 8, got seq_len=36"):
+        measure_context([32, 36], cps=(4,))
 
 
 # --- one rank, and bad input ----------------------------------------------------------------------
