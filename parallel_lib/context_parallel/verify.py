@@ -114,23 +114,28 @@ def attention_check(rank: int, world_size: int, cases: Sequence[Case], timeout: 
         return [asdict(_one(case, group, pm.index("cp"), world_size, timeout)) for case in cases]
 
 
-def stalled_peer_check(rank: int, world_size: int, method: str = "ring", timeout: float = 1.0) -> str:
-    """Rank 0 runs the attention, the others never join it: rank 0's error message (others: "").
+def stalled_peer_check(rank: int, world_size: int, methods: Sequence[str] = METHODS,
+                       timeout: float = 1.0) -> list[str]:
+    """Rank 0 runs each attention, the others never join it: rank 0's error messages (others: empty).
 
-    The exchange must give up after ``timeout`` seconds with a ``TimeoutError`` naming the rank
-    that waited, where a bare wait would hang for the group's timeout (gloo: 30 minutes).
+    Each exchange must give up after ``timeout`` seconds with a ``TimeoutError`` naming the rank
+    that waited, where a bare wait would hang for the group's timeout (gloo: 30 minutes). Each
+    method runs on a mesh of its own, so a message left behind by one cannot meet the next.
     """
-    with Mesh(cp=world_size).build(timeout=30.0) as pm:
-        if rank != 0:
-            time.sleep(3 * timeout)
-            return ""
-        q = torch.randn(1, world_size, 4, 4)
-        attention = ring_attention if method == "ring" else ulysses_attention
-        try:
-            attention(q, q, q, pm.group("cp"), causal=True, timeout=timeout)
-        except TimeoutError as error:
-            return str(error)
-        return "no error"
+    found = []
+    for method in methods:
+        with Mesh(cp=world_size).build(timeout=30.0) as pm:
+            if rank != 0:
+                time.sleep(3 * timeout)
+                continue
+            q = torch.randn(1, world_size, 4, 4)
+            attention = ring_attention if method == "ring" else ulysses_attention
+            try:
+                attention(q, q, q, pm.group("cp"), causal=True, timeout=timeout)
+                found.append("no error")
+            except TimeoutError as error:
+                found.append(str(error))
+    return found
 
 
 def gpt2_check(rank: int, world_size: int, layouts: Sequence[str] = LAYOUTS, seq_len: int = 32,
