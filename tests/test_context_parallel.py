@@ -48,6 +48,16 @@ def test_tiled_attention_equals_softmax_attention_forward_and_backward(causal, s
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiled_attention_in_half_precision_keeps_the_dtype_and_stays_close(dtype):
+    q, k, v, upstream = (torch.randn(1, 2, 40, 8, dtype=dtype) for _ in range(4))
+    expected = _grads(full_attention, q, k, v, upstream, causal=True)
+    actual = _grads(tiled_attention, q, k, v, upstream, causal=True, block=16)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), actual, expected):
+        assert got.dtype == dtype, name
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
 def test_tiled_forward_masks_by_position_and_skips_future_tiles():
     # zig-zag positions: rank 0 of cp=2 holds chunks 0 and 3 of 32 tokens
     q, k, v = (torch.randn(1, 2, 32, 4) for _ in range(3))
@@ -176,7 +186,7 @@ def test_bad_layouts_are_refused():
 # --- ring and Ulysses on ranks --------------------------------------------------------------------
 
 def _cases(heads: int) -> list[Case]:
-    exact = [Case(method, causal, layout, heads=heads)
+    exact = [Case(method, causal, layout, batch=2, heads=heads)
              for method in ("ring", "ulysses") for causal in (False, True) for layout in ("contiguous", "zigzag")]
     # the load-balance cases: small tiles, so that work counts resolve the causal triangle
     balance = [Case("ring", True, layout, heads=heads, seq_len=128, head_dim=4, block=4)
