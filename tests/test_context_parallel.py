@@ -19,8 +19,8 @@ from parallel_lib.context_parallel import (
     hiding_seq_len, merge_partials, ring_attention, ring_step_flops, ring_step_time, saved_attention_bytes,
     shard_positions, shard_sequence, tiled_attention, tiled_forward, ulysses_attention)
 from parallel_lib.context_parallel import cp_shard, parallelize_cp
-from parallel_lib.context_parallel.verify import (Case, attention_check, gpt2_check, several, stalled_peer_check,
-                                                  torch_context_parallel_check)
+from parallel_lib.context_parallel.verify import (Case, attention_check, cp_dp_training_check, gpt2_check, several,
+                                                  stalled_peer_check, torch_context_parallel_check)
 from parallel_lib.context_parallel.measure import Shape, measure_context, measure_on_ranks, measure_one_process
 from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
@@ -203,7 +203,8 @@ def on_ranks():
     runs = {}
     for cp in (2, 4):
         jobs = [(attention_check, (_cases(4),))] + ([(gpt2_check, ()), (torch_context_parallel_check, ()),
-                                                    (measure_on_ranks, (MEASURED, MEASURE_SHAPE))] if cp == 2 else [])
+                                                    (measure_on_ranks, (MEASURED, MEASURE_SHAPE))] if cp == 2
+                                                   else [(cp_dp_training_check, ())])
         results = launch(several, cp, jobs, backend="gloo", timeout=180, startup_timeout=120)
         runs[cp] = ([r[0] for r in results], [r[1:] for r in results])
     return runs
@@ -293,6 +294,14 @@ def test_parallelize_cp_refuses_what_it_cannot_run(one_rank_group):
         model(ids, attention_mask=torch.ones(2, 8))
     my_ids, positions = cp_shard(model, ids)   # one rank: the whole sequence, and the dense model's logits
     torch.testing.assert_close(model(my_ids, positions=positions), build_model("tiny", 64)(ids), rtol=0, atol=ATOL)
+
+
+def test_cp_times_dp_trains_like_one_process(on_ranks):
+    """Mesh(dp=2, cp=2): 3 AdamW steps of GPT-2 with ring attention (zig-zag) against one process."""
+    for rank, (found, *_) in enumerate(on_ranks[4][1]):
+        assert found["loss"] < ATOL, (rank, found)
+        # AdamW turns gradient differences of ~1e-8 into updates of up to lr on near-zero gradients
+        assert found["parameters"] < 3e-4, (rank, found)
 
 
 def test_pytorch_context_parallel_beside_ours(on_ranks):

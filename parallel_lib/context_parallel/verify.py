@@ -33,8 +33,8 @@ from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.mesh import Mesh
 
-__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check", "gpt2_check", "torch_context_parallel_check",
-           "several"]
+__all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check", "gpt2_check", "cp_dp_training_check",
+           "torch_context_parallel_check", "several"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,58 @@ def gpt2_check(rank: int, world_size: int, layouts: Sequence[str] = LAYOUTS, seq
             found[layout] = {"logits": float((mine.detach() - expected).abs().max()),
                              "loss": abs(float(total) / labels.numel() - float(loss.detach())), "grads": worst}
     return found
+
+
+def _sum_loss(model: Any, ids: torch.Tensor, labels: torch.Tensor, positions: Any = None) -> torch.Tensor:
+    logits = model(ids) if positions is None else model(ids, positions=positions)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def cp_dp_training_check(rank: int, world_size: int, steps: int = 3, seq_len: int = 32, vocab_size: int = 64,
+                         layout: str = "zigzag", timeout: float = 60.0) -> dict[str, float]:
+    """GPT-2 trained ``steps`` AdamW steps on a ``Mesh(dp=2, cp=world_size/2)`` against one process.
+
+    Each data-parallel replica takes one sequence of the batch, each of its cp ranks that
+    sequence's tokens (``layout``); the loss is summed over a rank's tokens and divided by the
+    batch's, so one all-reduce (a sum) over the flattened ``("dp", "cp")`` group gives every
+    rank one process's gradient, and AdamW then takes the same step everywhere.
+
+    Returns:
+        ``{"loss": largest difference of the step losses, "parameters": of the parameters after the steps}``.
+    """
+    dp, cp = 2, world_size // 2
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, vocab_size, (dp, seq_len), generator=gen),
+                torch.randint(0, vocab_size, (dp, seq_len), generator=gen)) for _ in range(steps)]
+    dense = build_model("tiny", vocab_size, seed=0)
+    optimizer = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+    losses = []
+    for ids, labels in batches:
+        optimizer.zero_grad()
+        loss = _sum_loss(dense, ids, labels) / labels.numel()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    with Mesh(dp=dp, cp=cp).build(timeout=timeout, flatten=[("dp", "cp")]) as pm:
+        model = parallelize_cp(build_model("tiny", vocab_size, seed=0), pm, layout=layout, block=8, timeout=timeout)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        replica, both = pm.index("dp"), pm.group(("dp", "cp"))
+        worst_loss = 0.0
+        for (ids, labels), expected in zip(batches, losses):
+            optimizer.zero_grad()
+            my_ids, positions = cp_shard(model, ids[replica:replica + 1])
+            my_labels = shard_sequence(labels[replica:replica + 1], cp, pm.index("cp"), layout, dim=1)
+            part = _sum_loss(model, my_ids, my_labels, positions)
+            (part / labels.numel()).backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=both)
+            optimizer.step()
+            total = part.detach().clone()
+            dist.all_reduce(total, group=both)
+            worst_loss = max(worst_loss, abs(float(total) / labels.numel() - expected))
+        dense_params = dict(dense.named_parameters())
+        worst = max(float((p.detach() - dense_params[n].detach()).abs().max()) for n, p in model.named_parameters())
+    return {"loss": worst_loss, "parameters": worst}
 
 
 def torch_context_parallel_check(rank: int, world_size: int, seq_len: int = 16) -> dict[str, Any]:
