@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from parallel_lib.common import build_gpt2, gpt2_config
 from parallel_lib.inference import Engine, Request
 from parallel_lib.models import GPT2, SeededDropout, DropoutStream, build_model, from_hf, to_hf
+from parallel_lib.tensor_parallel import tensor_parallelize
 
 VOCAB = 64
 
@@ -125,6 +126,28 @@ def test_a_split_dropout_drops_what_the_whole_one_drops():
             site.split(1, index, parts)
             halves.append(site(x.chunk(parts, 1)[index]))
         assert torch.equal(torch.cat(halves, 1), whole)
+
+
+def test_each_data_parallel_replica_draws_its_own_masks_and_replica_0_the_ones_before_replicas():
+    """#22 item 5: every replica used to draw the same masks on its own rows."""
+    x = torch.ones(4, 8, 16)
+    masks = [SeededDropout(0.5, DropoutStream(3, replica=d), site=2).train()(x) for d in (0, 1, 2)]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert DropoutStream(3, replica=0).key(2) == 3 * 1_000_003 + 2  # the masks every stored run drew
+    assert torch.equal(masks[0], SeededDropout(0.5, DropoutStream(3), site=2).train()(x))
+    model = build_model("tiny", VOCAB, seed=0, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1).train()
+    ids, mask, _ = _padded_batch()
+    outs = []
+    for d in (0, 1):
+        shard = tensor_parallelize(model, dropout_seed=0, dropout_replica=d).train()  # one rank: the whole model
+        outs.append(shard(ids, mask))
+    assert not torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="replica must be an int >= 0, got replica=-1"):
+        DropoutStream(0, replica=-1)
+    with pytest.raises(ValueError, match="dropout_replica must be an int >= 0"):
+        tensor_parallelize(model, dropout_replica=True)
+    with pytest.raises(ValueError, match=r"seed must be an int, got seed=2.7 \(float\)"):  # dropped as seed 2
+        DropoutStream(2.7)
 
 
 def test_dropout_is_seeded_by_call_and_off_in_eval():

@@ -192,3 +192,63 @@ def test_auto_backend_with_too_few_gpus_warns_before_falling_back(monkeypatch):
         assert resolve_backend("auto", 1) == "nccl"
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
         assert resolve_backend("auto", 3) == "gloo"
+
+
+# --- a script that launches without `if __name__ == "__main__":` -----------------------------------
+
+def test_a_script_launching_outside_the_main_guard_is_named_before_any_rank_starts(tmp_path):
+    """#22: every rank ran the script again and exited with code 1 ("a crash outside Python, os._exit or
+    out of memory?"); now the script's line is named and no rank starts."""
+    script = tmp_path / "train_script.py"
+    script.write_text("import sys; sys.path.insert(0, 'tests'); import _fault_workers as w\n"
+                      "from parallel_lib.runtime import launch\n"
+                      "\n"
+                      "print(launch(w.rank_and_value, 2, 'x', timeout=60))\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"launch was reached from line 4 of {script.resolve()}, which is not under " in done.stderr
+    assert "exited with code 1" not in done.stderr and "bootstrapping" not in done.stderr
+
+
+def _line_seen_by(source: str, path: Path, monkeypatch, name: str = "__main__", spec: str = ""):
+    """Run ``source`` as the script ``path`` (this process's ``__main__``, named ``name``) and return what
+    ``unguarded_line`` sees from inside each of its ``launch_here()`` calls."""
+    from parallel_lib.runtime.main_guard import unguarded_line
+
+    path.write_text(source)
+    main = types.ModuleType(name)
+    main.__file__ = str(path)
+    main.__spec__ = types.SimpleNamespace(name=spec) if spec else None  # python -m spec
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    seen = []
+    vars(main)["launch_here"] = lambda: seen.append(unguarded_line(sys._getframe(1)))
+    exec(compile(source, str(path), "exec"), vars(main))
+    return seen
+
+
+@pytest.mark.parametrize("source, name, unguarded", [
+    ("launch_here()\n", "__main__", 1),
+    ("def main():\n    launch_here()\n\nmain()\n", "__main__", 4),  # a function the top level calls
+    ("if __name__ == '__main__':\n    pass\nelse:\n    launch_here()\n", "__mp_main__", 4),  # else: not guarded
+    ("def main():\n    launch_here()\n\nif __name__ == '__main__':\n    main()\n", "__main__", None),
+    ("if '__main__' == __name__:\n    launch_here()\n", "__main__", None),
+])
+def test_the_main_guard_is_found_around_the_line_that_leads_to_launch(source, name, unguarded, tmp_path,
+                                                                       monkeypatch):
+    path = tmp_path / "script.py"
+    seen = _line_seen_by(source, path, monkeypatch, name)
+    assert seen == [None if unguarded is None else (str(path.resolve()), unguarded)]
+
+
+@pytest.mark.parametrize("spec, unguarded", [("package.__main__", None), ("package.module", 1)])
+def test_python_m_is_checked_as_multiprocessing_runs_it_again(spec, unguarded, tmp_path, monkeypatch):
+    """A package's __main__.py (python -m parallel_lib.tensor_parallel) is never run again in a rank."""
+    path = tmp_path / "script.py"
+    seen = _line_seen_by("launch_here()\n", path, monkeypatch, spec=spec)
+    assert seen == [None if unguarded is None else (str(path.resolve()), unguarded)]
+
+
+def test_a_notebook_or_python_c_has_no_script_to_check(notebook_main):
+    from parallel_lib.runtime.main_guard import unguarded_line
+
+    assert unguarded_line(sys._getframe()) is None

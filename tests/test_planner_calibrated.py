@@ -233,3 +233,11 @@ def test_calibrate_checks_its_world_sizes_and_its_folder_before_measuring(tmp_pa
 def test_planner_inputs_that_returned_garbage_are_named_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_published_peaks_refuse_a_node_without_gpus():
+    """#22 item 10: gpus_per_node=0 put every GPU of the job on one node's NVLink."""
+    with pytest.raises(ValueError, match="gpus_per_node must be an int >= 1, got gpus_per_node=0"):
+        published_calibration("H100", gpus_per_node=0)
+    with pytest.raises(ValueError, match="gpus_per_node must be an int >= 1, got gpus_per_node=True"):
+        published_calibration("H100", gpus_per_node=True)

@@ -126,3 +126,16 @@ def test_a_stage_link_needs_the_pipeline_group_and_refuses_a_tensor_unlike_its_s
     link = StageLink(None, 1, "rank 0", 1.0, torch.device("cpu"), group=object())
     with pytest.raises(ValueError, match=r"as torch.float32 \(2, 3\), but rank 1 expects torch.bfloat16 \(2, 3\)"):
         link.exchange([(Message("activation", 0), torch.zeros(2, 3))], [], lambda m: ((2, 3), torch.bfloat16))
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(rows=2, micro_batches=4), "rows=2 cannot fill micro_batches=4"),  # #22 item 10: reported a NaN loss
+    (dict(micro_batches=0), "micro_batches must be an int >= 1"),
+    (dict(blocks=2.0), r"blocks must be an int >= 1, got blocks=2.0 \(float\)"),
+    (dict(width=True), "width must be an int >= 1, got width=True"),
+    (dict(timeout=0), "timeout must be > 0"),
+    (dict(dtype="float16"), "dtype must be one of"),
+])
+def test_a_config_that_cannot_run_is_refused_when_made(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ProcessConfig(**fields)

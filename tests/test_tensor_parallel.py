@@ -28,7 +28,7 @@ from parallel_lib.tensor_parallel import (
 from parallel_lib.tensor_parallel.cost import shard_parameters
 from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, mlp_check
 from parallel_lib.tensor_parallel.vocab import vocab_range
-from parallel_lib.training import max_difference, reference, tp_layout, train
+from parallel_lib.training import Plan, RunConfig, max_difference, reference, tp_layout, train, train_many
 
 TOL = 1e-5
 
@@ -139,6 +139,21 @@ def test_four_way_training_and_dropout_equal_one_process():
     assert max(max_difference(results, state).values()) < 3e-4
 
 
+def test_tensor_times_data_parallel_with_dropout_draws_each_replicas_own_masks():
+    """#22 item 5: every replica drew the same masks on its own rows (the --check reported 6e-3). One
+    process that runs each replica's rows (and micro-batches) with that replica's masks is the proof."""
+    run = RunConfig(dropout=0.1, steps=2, batch_size=8)
+    plans = [Plan(dp=2, tp=2, micro_batches=1, sequence_parallel=True), Plan(dp=2, tp=2, micro_batches=2)]
+    per_rank = launch(train_many, 4, [(plan, run) for plan in plans], backend="gloo", timeout=240)
+    for k, plan in enumerate(plans):
+        results = [r[k] for r in per_rank]
+        losses, state = reference(run, dp=2, micro_batches=plan.micro_batches)
+        assert _global_losses(results) == pytest.approx(losses, rel=1e-5), plan.name
+        assert max(max_difference(results, state).values()) < 3e-4, plan.name
+    same_masks = reference(run, dp=1)  # one mask over the whole batch: what a replica-blind run would match
+    assert same_masks[0] != pytest.approx(reference(run, dp=2)[0], rel=1e-4)  # the replicas' masks differ
+
+
 def test_tensor_times_data_parallel_on_four_ranks_equals_one_process():
     config = TPConfig(tp=2, steps=2, sequence_parallel=True)
     plan, run = tp_layout(config, 4)
@@ -155,6 +170,18 @@ def test_a_tp_that_does_not_divide_the_world_is_refused_before_any_rank_starts()
         tp_layout(TPConfig(tp=2), 3)
     with pytest.raises(ValueError, match="world_size"):
         tp_layout(TPConfig(), 0)
+
+
+@pytest.mark.parametrize("config, match", [
+    (TPConfig(n_layer=-1), "n_layer must be an int >= 0, got n_layer=-1"),  # #22 item 10: trained no blocks
+    (TPConfig(n_embd=66), "n_embd=66 is not divisible by the tiny model's n_head=4"),
+    (TPConfig(tp=-1), "tp must be an int >= 0, got tp=-1"),
+    (TPConfig(tp=True), "tp must be an int >= 0, got tp=True"),
+    (TPConfig(model="huge"), "model must be one of"),
+])
+def test_a_model_no_rank_could_build_is_refused_by_tp_layout(config, match):
+    with pytest.raises(ValueError, match=match):
+        tp_layout(config, 2)
 
 
 def test_heads_not_divisible_and_foreign_group_are_clear_errors():

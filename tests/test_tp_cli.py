@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from parallel_lib.tensor_parallel import cli as tp_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["-m", "parallel_lib.tensor_parallel", "--steps", "2", "--check", "--threads-per-rank", "1", "--timeout", "90"]
 
@@ -44,3 +48,30 @@ def test_gpu_check_runs_on_cpu_devices_and_reports_equivalence():
     rows = [line for line in table.splitlines() if line.startswith("| 2 | 1 |")]
     assert [row.split(" | ")[2] for row in rows] == ["no", "yes"]
     assert all(float(row.split(" | ")[3]) < 1e-3 for row in rows)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "0"], "world_size must be an int >= 1, got world_size=0"),  # was replaced by 2
+    (["--tp", "-1"], "tp must be an int >= 0, got tp=-1"),
+    (["--n-embd", "66"], "n_embd=66 is not divisible by the tiny model's n_head=4"),
+    (["--world-size", "3", "--tp", "3"], "tp=3 must divide n_head=4"),
+    (["--vocab-size", "129"], "tp=2 must divide vocab_size=129"),
+    (["--n-layer", "-1"], "n_layer must be an int >= 0, got n_layer=-1"),  # was a model with no blocks
+    (["--dropout", "1.0"], "dropout must be below 1"),
+    (["--timeout", "0"], "timeout must be > 0"),
+])
+def test_values_argparse_accepts_but_no_rank_could_run_are_refused_before_any_rank_starts(flags, message, capsys,
+                                                                                         monkeypatch):
+    """#22 items 8 and the misleading errors: these failed inside every rank with raw tracebacks."""
+    monkeypatch.setattr(tp_cli, "run", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        tp_cli.main(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_check_fails_when_the_training_diverges_to_nan(capsys):
+    """#22 item 6: with --lr 1e30 both runs reach NaN, and nan > 3e-4 is False: it printed "matches one process"."""
+    assert tp_cli.main(["--world-size", "2", "--lr", "1e30", "--steps", "3", "--check", "--threads-per-rank", "1",
+                        "--timeout", "90"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH: a loss or a parameter is NaN or infinite" in out and "matches one process" not in out

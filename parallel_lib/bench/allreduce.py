@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_lib.bench import repeats
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import DeviceClock
 from parallel_lib.data_parallel.ring import (
@@ -97,7 +98,7 @@ def _worker(rank: int, world_size: int, config: Config) -> tuple[dict[str, dict[
         expected, got = x.clone(), x.clone()
         dist.all_reduce(expected)
         ring_all_reduce(got)
-        max_error = max(max_error, (got - expected).abs().max().item())
+        max_error = max(max_error, max_abs_difference(got, expected))  # inf if the ring produced a NaN
         for repeat in range(config.warmup + config.repeats):
             for name, op in ops.items():
                 dist.barrier()

@@ -32,7 +32,9 @@ from parallel_lib.inference.cost_model import (Hardware, Prediction, Workload, c
 from parallel_lib.inference.strategies import ServeConfig
 from parallel_lib.runtime.environment import machine_label
 
-__all__ = ["Config", "QUICK", "Results", "measure", "predictions", "markdown", "article_rows", "ARTICLE", "main"]
+__all__ = ["Config", "QUICK", "Results", "measure", "predictions", "markdown", "article_rows", "ARTICLE", "main",
+           # the serving runs this benchmark makes, for chapter 09 to make its own (from _inference_runs)
+           "Job", "Measured", "launch_jobs", "make_requests", "measured", "median_runs"]
 
 # The source article's inference claims: its own words where the text was available (DP), else the
 # comparison table chapter 05 records from it (parallel_lib.planner.compare.CLASSIC).

@@ -203,7 +203,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
     Raises:
         ValueError: ``max_steps`` negative.
     """
-    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 0):
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0):
         raise ValueError(f"max_steps must be a non-negative int or None, got max_steps={max_steps!r}")
     total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
     if max_steps is not None:

@@ -241,9 +241,10 @@ def global_batch_indices(data: Sized | int, world_size: int, batch_size: int, se
         epoch: the epoch set with ``set_epoch``.
 
     Raises:
-        ValueError: as ``partition_dataset``.
+        ValueError: as ``partition_dataset``; ``data`` neither sized nor an int >= 0 (True is not a length).
     """
-    num_examples = data if isinstance(data, int) else len(data)
+    sized = hasattr(data, "__len__")
+    num_examples = len(data) if sized else check_int("data", data, 0, hint="a data set or its length")
     _check_rank(0, world_size)
     local_batch = check_global_batch(batch_size, world_size)
     samplers = [PartitionSampler(num_examples, r, world_size, seed, drop_last) for r in range(world_size)]

@@ -10,14 +10,13 @@ from typing import Sequence
 
 import torch
 
-from parallel_lib.common.checks import check_int
+from parallel_lib.common.checks import check_int, check_number
 
 __all__ = ["allreduce_cost", "algorithm_bandwidth", "bus_bandwidth", "fit_allreduce_cost"]
 
 
 def _check_cost_args(nbytes: float, world_size: int) -> None:
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got nbytes={nbytes!r}")
+    check_number("nbytes", nbytes, 0.0)  # NaN too: a NaN cost would rank as no cost at all
     check_int("world_size", world_size, minimum=1)
 
 
@@ -33,21 +32,18 @@ def allreduce_cost(nbytes: float, world_size: int, bandwidth: float, latency: fl
         latency: per-message latency alpha in seconds.
 
     Raises:
-        ValueError: negative size or latency, non-positive bandwidth, ``world_size < 1``.
+        ValueError: a size or latency below 0, a bandwidth not above 0 (NaN and inf too), ``world_size < 1``.
     """
     _check_cost_args(nbytes, world_size)
-    if bandwidth <= 0:
-        raise ValueError(f"bandwidth must be > 0 bytes/s, got bandwidth={bandwidth!r}")
-    if latency < 0:
-        raise ValueError(f"latency must be >= 0 s, got latency={latency!r}")
+    check_number("bandwidth", bandwidth, 0.0, strict=True, hint="bytes per second")
+    check_number("latency", latency, 0.0, hint="seconds per message")
     n = world_size
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
 def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
     """nccl-tests' "algbw": message size over time, in bytes per second."""
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got seconds={seconds!r}")
+    check_number("seconds", seconds, 0.0, strict=True)
     return nbytes / seconds
 
 

@@ -37,7 +37,7 @@ _CHECKERS = {
     "check_micro_batches_for_bubble": "ch04",
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
     "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",
-    "check_row_parallel_forward": "ch07", "check_missing_operator": "ch07", "check_tp_block_bytes": "ch07",
+    "check_row_parallel_forward": "ch07", "check_tp_operators": "ch07", "check_vocab_cross_entropy": "ch07",
     "check_interleaved_bubble": "ch08", "check_fill_the_bubble": "ch08", "check_repair_deadlock": "ch08",
 }
 CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
@@ -78,9 +78,10 @@ def exercise(name: str) -> Exercise:
 
 
 # chapter 09 (appended: the registries above stay as they were)
-_CHECKERS.update({"check_largest_batch": "ch09", "check_pipeline_throughput": "ch09"})
+_CHECKERS.update({"check_largest_batch": "ch09", "check_gqa_decode_step": "ch09", "check_cache_step": "ch09",
+                  "check_pipeline_throughput": "ch09"})
 CHAPTERS = CHAPTERS + ("09",)
-__all__ += ["check_largest_batch", "check_pipeline_throughput"]
+__all__ += ["check_largest_batch", "check_gqa_decode_step", "check_cache_step", "check_pipeline_throughput"]
 
 # chapter 10 (appended: the registries above stay as they were)
 _CHECKERS.update({"check_choose_layout": "ch10", "check_oom_term": "ch10"})

@@ -10,7 +10,6 @@ reported at once and with its own traceback line.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import torch
@@ -35,9 +34,9 @@ from parallel_lib.exercises._core import (
     show,
     stub_result,
 )
-from parallel_lib.exercises._shipping import ShippedFunction, ship
+from parallel_lib.exercises._ranks import run_on_ranks
+from parallel_lib.exercises._shipping import ShippedFunction
 from parallel_lib.exercises.ch02_overlap import OVERLAP_STUB, check_bucketed_allreduce
-from parallel_lib.runtime.launcher import LaunchTimeoutError, RankError, launch
 
 __all__ = ["check_average_token_gradients", "check_ring_bytes_sent", "check_ring_send_chunk", "EXERCISES"]
 
@@ -217,22 +216,10 @@ def check_average_token_gradients(fn: Any) -> CheckResult:
     crash = _single_rank_trial(fn)
     if crash:
         return failed(name, crash[0], crash[1], _crash_hint(crash[1]))
-    try:
-        results = launch(_average_tokens_rank, _WORLD, ship(fn), backend="gloo", timeout=_LAUNCH_TIMEOUT_S,
-                         threads_per_rank=1)
-    except ValueError as error:  # the source could not be read
-        return failed(name, None, str(error))
-    except LaunchTimeoutError as error:
-        if error.phase == "start-up":  # the machine is busy: not the student's mistake
-            return failed(name, None, str(error).splitlines()[0], "run the check again when the machine is quieter")
-        return failed(name, None, f"the {_WORLD} ranks did not finish within {_LAUNCH_TIMEOUT_S:g} s", _SAME_CALLS)
-    except RankError as error:
-        last = error.traceback_text.strip().splitlines()[-1] if error.traceback_text else str(error)
-        match = re.fullmatch(r"RuntimeError: case ('.*?'): (.*)", last)  # raised by _average_tokens_rank
-        case, crash = match.groups() if match else (None, last)
-        # a rank that fails in a collective while others have returned: the others skipped it
-        hint = _SAME_CALLS if error.returned else _crash_hint(crash)
-        return failed(name, case, f"rank {error.ranks[0]} raised {crash}", hint)
+    results = run_on_ranks(name, fn, _average_tokens_rank, _WORLD, timeout=_LAUNCH_TIMEOUT_S, crash_hint=_crash_hint,
+                           same_calls=_SAME_CALLS)
+    if isinstance(results, CheckResult):
+        return results
     problem = _compare(results)
     if problem:
         case, what, hint = problem

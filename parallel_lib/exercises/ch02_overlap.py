@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lib.exercises._core import CheckResult, failed, is_stub, passed, require_callable, stub_result
-from parallel_lib.exercises._shipping import ShippedFunction, ship
-from parallel_lib.runtime.launcher import LaunchTimeoutError, RankError, launch
+from parallel_lib.exercises._ranks import run_on_ranks
+from parallel_lib.exercises._shipping import ShippedFunction
 
 __all__ = ["check_bucketed_allreduce", "OVERLAP_STUB"]
 
@@ -104,17 +104,10 @@ def check_bucketed_allreduce(fn: Any) -> CheckResult:
     require_callable(fn, "attach_bucketed_allreduce")
     if is_stub(fn):
         return stub_result(name, "attach_bucketed_allreduce")
-    try:
-        results = launch(_overlap_rank, _WORLD, ship(fn), _BUCKET_BYTES, backend="gloo", timeout=_TIMEOUT_S,
-                         threads_per_rank=1)
-    except ValueError as error:  # the source could not be read
-        return failed(name, None, str(error))
-    except LaunchTimeoutError as error:
-        return failed(name, None, str(error).splitlines()[0],
-                      "every rank must make the same all-reduces in the same order (the same buckets)")
-    except RankError as error:
-        last = error.traceback_text.strip().splitlines()[-1] if error.traceback_text else str(error)
-        return failed(name, None, f"rank {error.ranks[0]} raised {last}")
+    results = run_on_ranks(name, fn, _overlap_rank, _WORLD, _BUCKET_BYTES, timeout=_TIMEOUT_S,
+                           same_calls="every rank must make the same all-reduces in the same order (the same buckets)")
+    if isinstance(results, CheckResult):
+        return results
     problem = _judge(results)
     if problem:
         return failed(name, f"{_WORLD} ranks, {_LAYERS} linear layers", *problem)

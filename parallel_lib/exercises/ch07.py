@@ -1,4 +1,9 @@
-"""Exercises for chapter 07: the row-parallel forward, a missing all-reduce found from gradients, and the bytes of TP."""
+"""Exercises for chapter 07: the row-parallel forward on thread-ranks, then ``f`` and ``g`` as autograd functions
+(``ch07_operators``) and the vocabulary-parallel cross-entropy (``ch07_vocab_loss``), both on gloo ranks.
+
+Every checker compares with one process (the dense layer, the dense MLP, ``F.cross_entropy`` on the
+gathered logits); the reference answers are in ``solutions.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +13,19 @@ from typing import Any, Callable, Optional
 import torch
 
 from parallel_lib.exercises._core import (
-    Case,
     CheckResult,
     Exercise,
-    as_number,
-    check_function,
-    check_value,
     failed,
     passed,
     require_callable,
     is_stub,
-    same_number,
+    solution,
     stub_result,
 )
-from parallel_lib.tensor_parallel.cost import layer_collectives, wire_bytes
+from parallel_lib.exercises.ch07_operators import OPERATORS_STUB, check_tp_operators
+from parallel_lib.exercises.ch07_vocab_loss import VOCAB_LOSS_STUB, check_vocab_cross_entropy
 
-__all__ = ["check_row_parallel_forward", "check_missing_operator", "check_tp_block_bytes", "EXERCISES"]
+__all__ = ["check_row_parallel_forward", "check_tp_operators", "check_vocab_cross_entropy", "EXERCISES"]
 
 ROW_FORWARD_STUB = '''\
 def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
@@ -36,24 +38,6 @@ def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
     """
     ...  # your code here
 '''
-
-MISSING_OPERATOR_STUB = '''\
-# One of "f forward", "f backward", "g forward", "g backward": which operator's collective is missing?
-MISSING_OPERATOR = ...
-'''
-
-BLOCK_BYTES_STUB = '''\
-def tp_block_bytes(batch, seq, hidden, n_layer, tp, bytes_per_element=4):
-    """Bytes ONE rank sends for the transformer blocks in one training step (forward and backward),
-    tensor parallel without sequence parallelism, ring all-reduce (each rank sends 2(t-1)/t of a message).
-    """
-    ...  # your code here
-'''
-
-
-def _row_reference(x_mine: torch.Tensor, weight_mine: torch.Tensor, bias: torch.Tensor,
-                   all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    return all_reduce(x_mine @ weight_mine.T) + bias
 
 
 class _ThreadGroup:
@@ -124,56 +108,25 @@ def check_row_parallel_forward(fn: Any) -> CheckResult:
                 elif info["calls"][r] == 0:
                     hint = "each rank holds only a partial product: sum them with all_reduce"
                 else:
-                    hint = "y = all_reduce(x_mine @ weight_mine.T) + bias"
+                    hint = ("the dense y is x @ weight.T + bias: which part of it does each rank hold, and which part "
+                            "is whole on every rank already?")
                 return failed(name, label, f"rank {r}'s output differs from the dense layer's by up to "
                               f"{float((got - expected).abs().max()):.3g}", hint)
     return passed(name, "3 cases on 2 and 4 thread-ranks")
 
 
-_MISSING_HINTS = {
-    "f forward": "f's forward is the identity: nothing is communicated there, so nothing can be missing",
-    "g forward": "without g's forward all-reduce the outputs themselves would be partial sums, but they match",
-    "g backward": "g's backward is the identity: nothing is communicated there",
-}
-
-
-def check_missing_operator(answer: Any) -> CheckResult:
-    """The broken layer's outputs and weight gradients match, its input gradient does not: f's backward all-reduce."""
-    def normalise(value: Any) -> str:
-        if not isinstance(value, str):
-            raise TypeError(f"one of the strings {['f forward', 'f backward', 'g forward', 'g backward']}")
-        return " ".join(value.lower().split())
-
-    return check_value("missing_operator", answer, "MISSING_OPERATOR", "f backward", normalise=normalise,
-                       hint=lambda got: _MISSING_HINTS.get(got, "look at which gradient is wrong, and which "
-                                                           "operator produces it in the backward pass"))
-
-
-def _block_bytes(batch: int, seq: int, hidden: int, n_layer: int, tp: int, bytes_per_element: int = 4) -> float:
-    per_layer = layer_collectives(batch, seq, hidden, False, bytes_per_element)
-    return n_layer * sum(wire_bytes(per_layer[phase], tp) for phase in ("forward", "backward"))
-
-
-def _bytes_hint(args: tuple, got: Any) -> str:
-    expected = _block_bytes(*args)
-    if got and abs(got * 2 - expected) < 1e-6 * expected:
-        return "half of it: the backward pass has its two all-reduces (the two f) too"
-    b, s, h, n_layer, tp = args[:5]
-    if got and abs(got - 4 * n_layer * b * s * h * 4) < 1e-6 * expected:
-        return f"that is the message size; a ring sends 2(t-1)/t of it per rank ({2 * (tp - 1) / tp:g}x)"
-    return "per block: 2 all-reduces forward + 2 backward, each of batch·seq·hidden elements"
-
-
-def check_tp_block_bytes(fn: Any) -> CheckResult:
-    """Check ``tp_block_bytes`` against :func:`parallel_lib.tensor_parallel.cost.layer_collectives`."""
-    shapes = [(1, 1, 1, 1, 2), (4, 32, 64, 4, 2), (8, 1024, 768, 12, 4), (8, 1024, 768, 12, 8), (2, 128, 256, 6, 1)]
-    cases = [Case(shape, _block_bytes(*shape)) for shape in shapes]
-    return check_function("tp_block_bytes", fn, "tp_block_bytes", cases, normalise=as_number, compare=same_number,
-                          hint=_bytes_hint)
-
-
 EXERCISES = [
-    Exercise("row_parallel_forward", check_row_parallel_forward, ROW_FORWARD_STUB, _row_reference),
-    Exercise("missing_operator", check_missing_operator, MISSING_OPERATOR_STUB, "f backward"),
-    Exercise("tp_block_bytes", check_tp_block_bytes, BLOCK_BYTES_STUB, _block_bytes),
+    Exercise("row_parallel_forward", check_row_parallel_forward, ROW_FORWARD_STUB, solution("row_parallel_forward"),
+             "Write the row-parallel forward. Each rank holds a slice of the input features and the matching "
+             "columns of the weight; the checker runs your function on 2 and 4 thread-ranks."),
+    Exercise("tp_operators", check_tp_operators, OPERATORS_STUB, solution("tp_operators"),
+             "Write Megatron's `f` and `g` yourself, as autograd functions with `torch.distributed` (not the "
+             "library's `regions`). The checker runs each one alone on 2 gloo ranks, then a column→row MLP with "
+             "`f` before and `g` after, and compares the output, the input gradient and every weight gradient "
+             "with the dense MLP."),
+    Exercise("vocab_cross_entropy", check_vocab_cross_entropy, VOCAB_LOSS_STUB, solution("vocab_cross_entropy"),
+             "Write the vocabulary-parallel cross-entropy of section 4 from the maximum, the sum of exponentials "
+             "and the target's logit. The checker runs it on 2 gloo ranks against `F.cross_entropy` on the "
+             "gathered logits, with targets -100 and with bfloat16 and float16 logits large enough to overflow "
+             "`exp`."),
 ]

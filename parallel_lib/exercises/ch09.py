@@ -1,16 +1,23 @@
-"""Exercises for chapter 09: the largest batch a KV-cache budget holds, and a committed prediction of a
-pipeline's throughput at 1 and 4 requests (the notebook then measures it)."""
+"""Exercises for chapter 09: the largest batch a KV-cache budget holds; one decode step of grouped-query
+attention with a KV cache, against Hugging Face's LLaMA attention, and the cache's write and read for
+requests of different lengths, against the library (both in ``ch09_decode``); and a committed prediction
+of a pipeline's throughput at 1 and 4 requests (section 3 measured it). The reference answers are in
+``solutions.py``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from parallel_lib.exercises._core import Case, CheckResult, Exercise, as_int, as_number, check_function, check_value
+from parallel_lib.exercises._core import (Case, CheckResult, Exercise, as_int, as_number, check_function, check_value,
+                                         solution)
+from parallel_lib.exercises.ch09_decode import (CACHE_STEP_STUB, GQA_DECODE_STUB, check_cache_step,
+                                                check_gqa_decode_step)
 from parallel_lib.inference.cost_model import Hardware, Workload, predict
 from parallel_lib.inference.serving_memory import kv_cache_bytes
 from parallel_lib.model_parallel.layer_memory import DecoderShape
 
-__all__ = ["check_largest_batch", "check_pipeline_throughput", "EXERCISES", "PIPELINE_SOLUTION"]
+__all__ = ["check_largest_batch", "check_gqa_decode_step", "check_cache_step", "check_pipeline_throughput",
+           "EXERCISES"]
 
 LARGEST_BATCH_STUB = '''\
 def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
@@ -24,13 +31,10 @@ PIPELINE_STUB = '''\
 # A 2-stage pipeline (pp) serves requests in groups, at most one group per stage (4 requests: 2 groups of 2).
 # Suppose a stage's step takes the same time t whatever the size of the group (overhead-bound, as on this
 # CPU) and hand-overs are free. In steady decoding, how many tokens per t does the whole pipeline
-# deliver with 1 request in flight, and with 4?  Commit to your numbers; the cell after the check shows
-# what this machine measured in section 3.
+# deliver with 1 request in flight, and with 4?  Commit to your numbers, then compare their ratio with
+# the pp rows that section 5 measured on this machine.
 PIPELINE_THROUGHPUT = None  # your answer: (tokens per t at 1 request, tokens per t at 4 requests)
 '''
-
-PIPELINE_SOLUTION = (0.5, 2.0)
-
 
 def _kv_shape(n_layers: int, n_heads: int, kv_heads: int, head_dim: int) -> DecoderShape:
     return DecoderShape(1, n_heads * head_dim, n_layers, 4 * n_heads * head_dim, n_heads, kv_heads, False)
@@ -41,13 +45,6 @@ def _largest(budget: int, n_layers: int, n_heads: int, kv_heads: int, head_dim: 
     """The library's answer: the budget over one request's cache on a rank (serving_memory.kv_cache_bytes)."""
     dtype = {2: "fp16", 4: "fp32"}[width]
     return budget // kv_cache_bytes(_kv_shape(n_layers, n_heads, kv_heads, head_dim), seq_len, dtype, tp=tp)
-
-
-def solution_largest_batch(kv_budget_bytes: int, n_layers: int, n_heads: int, kv_heads: int, head_dim: int,
-                           seq_len: int, bytes_per_element: int, tp: int) -> int:
-    heads_here = max(kv_heads // tp, 1)  # a rank keeps its share of the KV heads, or one copy of its head
-    per_request = 2 * n_layers * heads_here * head_dim * bytes_per_element * seq_len  # a K and a V per head
-    return kv_budget_bytes // per_request
 
 
 def check_largest_batch(fn: Any) -> CheckResult:
@@ -111,8 +108,17 @@ def check_pipeline_throughput(answer: Any) -> CheckResult:
 
 
 EXERCISES = [
-    Exercise("largest_batch", check_largest_batch, LARGEST_BATCH_STUB, solution_largest_batch,
+    Exercise("largest_batch", check_largest_batch, LARGEST_BATCH_STUB, solution("largest_batch"),
              "How many requests fit a KV-cache budget on one rank?"),
-    Exercise("pipeline_throughput", check_pipeline_throughput, PIPELINE_STUB, PIPELINE_SOLUTION,
-             "Predict a 2-stage pipeline's throughput at 1 and 4 requests, before measuring it."),
+    Exercise("gqa_decode_step", check_gqa_decode_step, GQA_DECODE_STUB, solution("gqa_decode_step"),
+             "Write one decode step of grouped-query attention with a KV cache: store the new token's key and "
+             "value, attend over the cached tokens and itself, several query heads sharing each KV head. The "
+             "checker compares with Hugging Face's `LlamaAttention` (fewer KV heads than query heads)."),
+    Exercise("cache_step", check_cache_step, CACHE_STEP_STUB, solution("cache_step"),
+             "Write the KV cache's write and read for one decode step of requests with different prompt lengths "
+             "(section 2's layout: no padding in front). The checker compares with the library's `KVCache` and "
+             "the mask of `Group.decode`."),
+    Exercise("pipeline_throughput", check_pipeline_throughput, PIPELINE_STUB, solution("PIPELINE_THROUGHPUT"),
+             "Predict a 2-stage pipeline's throughput at 1 and 4 requests, then compare with what section 5 "
+             "measured."),
 ]

@@ -8,6 +8,7 @@ Both are checked against the planner itself (:func:`parallel_lib.planner.search.
 from __future__ import annotations
 
 from functools import lru_cache
+from numbers import Integral
 from typing import Any, Optional
 
 from parallel_lib.exercises._core import CheckResult, Exercise, failed, passed
@@ -67,6 +68,10 @@ def _grid(c: Any) -> tuple[int, int, int, int]:
 def _as_grid(answer: Any) -> tuple[int, int, int, int]:
     if not isinstance(answer, dict) or not {"dp", "tp", "pp"} <= set(answer):
         raise TypeError("a dict with keys dp, tp, pp (and zero), e.g. dict(dp=8, tp=2, pp=2, zero=1)")
+    for k in ("dp", "tp", "pp", "zero"):  # int(nan) raised its own words, int(2.5) and True passed as 2 and 1
+        v = answer.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise TypeError(f"whole numbers, got {k}={v!r}; e.g. dict(dp=8, tp=2, pp=2, zero=1)")
     values = tuple(int(answer.get(k, 0)) for k in ("dp", "tp", "pp", "zero"))
     if any(v < 1 for v in values[:3]) or values[3] not in (0, 1, 2, 3):
         raise ValueError("dp, tp, pp positive whole numbers and zero one of 0, 1, 2, 3")

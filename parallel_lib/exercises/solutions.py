@@ -22,7 +22,9 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "average_token_gradients", "attach_bucketed_allreduce", "ring_bytes_sent", "ring_send_chunk",
            "balanced_device_map", "device_map_under_limit", "training_bytes",
            "_clock_cycles", "pipeline_bubble", "gpipe_step_time", "one_f_one_b_order", "micro_batches_for_bubble",
-           "bytes_per_device", "plan_parallelism", "ring_exchange_order"]
+           "bytes_per_device", "plan_parallelism", "ring_exchange_order",
+           "row_parallel_forward", "tp_operators", "vocab_cross_entropy",
+           "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -219,3 +221,90 @@ def ring_exchange_order(rank: int, world_size: int) -> list[tuple[str, int]]:
     # completes, then N-2's, ..., then rank 0 sends last
     send, recv = ("send", (rank + 1) % world_size), ("recv", (rank - 1) % world_size)
     return [recv, send] if rank == 0 else [send, recv]
+
+
+# --------------------------------------------------------------------------- chapter 07
+def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
+    # each rank's slice of the input features times its columns of the weight is a partial product
+    # of the whole output; their sum is x @ weight.T. The bias is whole on every rank: add it once.
+    return all_reduce(x_mine @ weight_mine.T) + bias
+
+
+def tp_operators():
+    import torch
+    import torch.distributed as dist
+
+    class CopyToRegion(torch.autograd.Function):  # f: before the column-parallel layer
+        @staticmethod
+        def forward(ctx, x):
+            return x  # every rank already holds the whole input
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()  # each rank's slice sent back its own term of dL/dx: add them up
+            dist.all_reduce(grad)
+            return grad
+
+    class ReduceFromRegion(torch.autograd.Function):  # g: after the row-parallel layer
+        @staticmethod
+        def forward(ctx, x):
+            x = x.clone()  # partial products: their sum is the dense output
+            dist.all_reduce(x)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad  # the gradient of a sum reaches each term unchanged
+
+    return CopyToRegion.apply, ReduceFromRegion.apply
+
+
+def vocab_cross_entropy(logits_mine, target, vocab_start):
+    import torch.distributed as dist
+    z = logits_mine.float()  # exp and sums in float32: bf16/fp16 keep 8 or 11 bits
+    counted = target != -100
+    top = z.max(dim=-1).values  # the largest logit over the whole vocabulary, so that every exp <= 1
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    shifted = z - top[:, None]
+    total = shifted.exp().sum(dim=-1)  # the softmax's denominator, summed over every rank's slice
+    dist.all_reduce(total)
+    n = z.shape[-1]
+    mine = (target >= vocab_start) & (target < vocab_start + n)  # only one rank holds each target
+    index = (target - vocab_start).clamp(0, n - 1)
+    picked = shifted.gather(-1, index[:, None])[:, 0] * mine
+    dist.all_reduce(picked)
+    return (total.log() - picked) * counted
+
+
+# --------------------------------------------------------------------------- chapter 09
+def largest_batch(kv_budget_bytes, n_layers, n_heads, kv_heads, head_dim, seq_len, bytes_per_element, tp):
+    heads_here = max(kv_heads // tp, 1)  # a rank keeps its share of the KV heads, or one copy of its head
+    per_request = 2 * n_layers * heads_here * head_dim * bytes_per_element * seq_len  # a K and a V per head
+    return kv_budget_bytes // per_request
+
+
+def gqa_decode_step(x, wq, wk, wv, wo, k_cache, v_cache, length):
+    batch, n_kv, _, head_dim = k_cache.shape
+    n_heads = wq.shape[0] // head_dim
+    q = (x @ wq.T).view(batch, n_heads, 1, head_dim)
+    k_cache[:, :, length] = (x @ wk.T).view(batch, n_kv, head_dim)  # the new token's slot is `length`
+    v_cache[:, :, length] = (x @ wv.T).view(batch, n_kv, head_dim)
+    k = k_cache[:, :, :length + 1].repeat_interleave(n_heads // n_kv, dim=1)  # head h reads KV head h // group
+    v = v_cache[:, :, :length + 1].repeat_interleave(n_heads // n_kv, dim=1)
+    scores = q @ k.transpose(-1, -2) * head_dim ** -0.5  # (batch, heads, 1, length + 1)
+    out = scores.softmax(dim=-1) @ v                        # (batch, heads, 1, head_dim)
+    return out.reshape(batch, n_heads * head_dim) @ wo.T
+
+
+def cache_step(k_cache, v_cache, k_new, v_new, lengths):
+    rows = torch.arange(k_cache.shape[0])
+    k_cache[rows, :, lengths] = k_new[:, :, 0]  # row b's next free slot is lengths[b]
+    v_cache[rows, :, lengths] = v_new[:, :, 0]
+    upto = int(lengths.max()) + 1
+    mask = torch.arange(upto)[None, :] <= lengths[:, None]  # its tokens and the new one, not the padding
+    return k_cache[:, :, :upto], v_cache[:, :, :upto], mask
+
+
+# a 2-stage pipeline, a step of time t per stage: 1 request crosses both stages per token (1 token per 2t);
+# 4 requests make 2 groups that keep both stages busy, each group step yielding 2 tokens (4 tokens per 2t)
+PIPELINE_THROUGHPUT = (0.5, 2.0)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.training import forward_loss
 from parallel_lib.data.corpus import load_corpus
@@ -94,7 +96,7 @@ def one_device_reference(workload: Workload) -> tuple[list[Batch], nn.Module, Gr
 
 
 def max_difference(expected: Grads, got: Grads, what: str) -> float:
-    """Largest |difference| of the named tensors; raises ``CheckError`` if the loss or one of them is off."""
+    """Largest |difference| of the loss and the named tensors; raises ``CheckError`` if one is off or not finite."""
     try:
         torch.testing.assert_close(got[0], expected[0], **TOLERANCE, msg=lambda m: f"loss: {m}")
         assert got[1].keys() == expected[1].keys(), "the parameter names differ"
@@ -102,7 +104,11 @@ def max_difference(expected: Grads, got: Grads, what: str) -> float:
             torch.testing.assert_close(got[1][name], grad, **TOLERANCE, msg=lambda m: f"{name}: {m}")
     except AssertionError as e:
         raise CheckError(f"{what} does not match the reference: {e}") from None
-    return max((got[1][name] - grad).abs().max().item() for name, grad in expected[1].items())
+    worst = max([max_abs_difference(got[0], expected[0])]
+                + [max_abs_difference(got[1][name], grad) for name, grad in expected[1].items()])
+    if math.isinf(worst):  # assert_close lets inf == inf pass
+        raise CheckError(f"{what}: a loss or gradient is infinite here and in the reference: not a match")
+    return worst
 
 
 def free_memory() -> None:

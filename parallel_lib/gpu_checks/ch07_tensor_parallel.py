@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.gpu_checks._reference import CheckError
 from parallel_lib.runtime.launcher import launch
@@ -30,7 +31,7 @@ def check_tensor_parallel(n_gpus: int, quick: bool = False) -> str:
         losses, state = reference(run)
         worst = max(max_difference(results, state).values())
         shares = [r.record.losses for r in results if r.coords["tp"] == 0]  # each replica's share of the loss
-        loss_gap = max(abs(sum(a) - b) / abs(b) for a, b in zip(zip(*shares), losses))
+        loss_gap = max_abs_difference([sum(a) for a in zip(*shares)], losses) / max(abs(b) for b in losses)  # inf: NaN
         if worst > 1e-3 or loss_gap > 1e-4:  # AdamW lifts float noise on near-zero gradients to ~lr (1e-3)
             raise CheckError(f"tensor parallel (tp={tp}, sequence_parallel={sequence_parallel}) on {n_gpus} ranks "
                              f"does not match one process: parameters differ by {worst:.3g}, losses by {loss_gap:.3g}")

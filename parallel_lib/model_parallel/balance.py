@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from parallel_lib.common.checks import positive_int
 from parallel_lib.model_parallel.device_map import DeviceKey, DeviceMap, balance_by_cost
 from parallel_lib.model_parallel.placing import FIRST, LAST, layout
 from parallel_lib.model_parallel.timeline import record_timeline
@@ -70,10 +71,11 @@ def balance_by_time(model: nn.Module, sample: Any, devices: Sequence[DeviceKey],
         repeat: timed passes to average (noise shrinks with more).
 
     Raises:
-        ValueError: ``repeat < 1``.
+        ValueError: ``repeat`` not an int >= 1 (a bool or a float included).
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got repeat={repeat!r}")
+    positive_int("repeat", repeat, hint="timed passes to average")  # and an int: not True, not 2.0
     with record_timeline(model) as events:
         for _ in range(repeat + 1):
             _forward_backward(model, sample)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parallel_lib.common.checks import positive_int, positive_number
+from parallel_lib.common.checks import check_int, check_number, positive_int, positive_number
 from parallel_lib.model_parallel.placing import placement
 from parallel_lib.runtime.device import DeviceKey, resolve_device
 
@@ -134,10 +134,9 @@ def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str]
         activations: activation bytes to include (e.g. from :func:`activation_memory`).
 
     Raises:
-        ValueError: a negative ``n_params`` or an unknown ``dtype`` / ``optimizer``.
+        ValueError: ``n_params`` negative or not a finite number, or an unknown ``dtype`` / ``optimizer``.
     """
-    if n_params < 0:
-        raise ValueError(f"n_params must be >= 0, got n_params={n_params!r}")
+    check_number("n_params", n_params, 0.0)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got dtype={dtype!r}")
     if optimizer is not None and optimizer not in OPTIMIZER_STATES:
@@ -251,12 +250,11 @@ def model_memory(name: str, dtype: str = "fp16", optimizer: Optional[str] = "ada
     leaves them out. Activations are scaled from the 16-bit formula by the dtype's width.
 
     Raises:
-        ValueError: an unknown ``name`` or a negative ``batch_size``.
+        ValueError: an unknown ``name`` or a ``batch_size`` that is not an int >= 0.
     """
     if name not in MODEL_SHAPES:
         raise ValueError(f"name must be one of {sorted(MODEL_SHAPES)}, got name={name!r}")
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be >= 0, got batch_size={batch_size!r}")
+    check_int("batch_size", batch_size, 0, hint="0 leaves the activations out")
     shape = MODEL_SHAPES[name]
     acts = 0.0
     if batch_size and optimizer is not None:  # inference keeps no activations for a backward pass

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallel_lib.common.checks import check_choice
+from parallel_lib.common.checks import check_choice, check_int, positive_int, positive_number
 from parallel_lib.pipeline_parallel.link import StageLink, wait_for
 from parallel_lib.pipeline_parallel.microbatch import loss_weights, split_layers
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
@@ -46,7 +46,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 @dataclass(frozen=True)
 class ProcessConfig:
-    """One training step: an MLP of ``blocks`` x (Linear(width, width), Tanh), MSE loss, ``rows`` rows."""
+    """One training step: an MLP of ``blocks`` x (Linear(width, width), Tanh), MSE loss, ``rows`` rows.
+
+    Raises:
+        ValueError: a size that is not an int >= 1, fewer ``rows`` than ``micro_batches`` (an empty
+            micro-batch's mean loss is NaN), a timeout that is not > 0, or an unknown dtype.
+    """
 
     schedule: str = "1f1b"
     micro_batches: int = 4
@@ -56,6 +61,16 @@ class ProcessConfig:
     seed: int = 0
     timeout: float = 30.0
     dtype: str = "float32"  # the model's and the batch's dtype (so the activations' sent between ranks)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "width", "blocks", "rows"):
+            positive_int(name, getattr(self, name))
+        if self.rows < self.micro_batches:
+            raise ValueError(f"rows={self.rows} cannot fill micro_batches={self.micro_batches}: each micro-batch "
+                             "needs at least one row (an empty one's mean loss is NaN); use rows >= micro_batches")
+        check_int("seed", self.seed)
+        positive_number("timeout", self.timeout, hint="seconds each message may take")
+        check_choice("dtype", self.dtype, sorted(DTYPES))
 
     @property
     def torch_dtype(self) -> torch.dtype:

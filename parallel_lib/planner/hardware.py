@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel_lib.common.checks import check_choice
+from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed
 
 __all__ = ["GPU", "GPUS", "published_calibration", "published_table"]
@@ -58,8 +58,12 @@ def published_calibration(gpu: str, gpus_per_node: int = 8) -> Calibration:
 
     A group whose ranks span more than ``gpus_per_node`` consecutive ranks crosses nodes and runs at the
     network's speed (a ring is as fast as its slowest link); every GPU computes at its own peak.
+
+    Raises:
+        ValueError: an unknown ``gpu``, or ``gpus_per_node`` not an int >= 1 (0 would put every GPU on NVLink).
     """
     g = GPUS[check_choice("gpu", gpu, sorted(GPUS))]
+    positive_int("gpus_per_node", gpus_per_node, hint="GPUs that share NVLink in one node")
     inside = AlphaBeta(NVLINK_LATENCY, g.nvlink)
     across = AlphaBeta(NETWORK_LATENCY, g.network)
     ranks = {1: RankSpeed(1, g.flops_bf16, g.hbm_bandwidth, {kind: inside for kind in KINDS})}

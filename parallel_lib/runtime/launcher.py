@@ -33,6 +33,7 @@ point works both as ``python -m ...`` and as ``torchrun --nproc-per-node N -m ..
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.runtime.failures import LaunchTimeoutError, RankError
 from parallel_lib.runtime.group import BACKENDS, LOOPBACK, RankInfo, loopback_store, process_group, resolve_backend
+from parallel_lib.runtime.main_guard import check_main_guard
 from parallel_lib.runtime.payload import Job, dumps, in_notebook, pack_job
 from parallel_lib.runtime.spawned import rank_main
 from parallel_lib.runtime.supervise import STOP_GRACE_S, collect, stop
@@ -142,10 +144,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         LaunchTimeoutError: ranks still starting at ``startup_timeout``, or still running
             ``timeout`` seconds after all had started; all ranks are stopped.
         TypeError: ``fn`` is not callable.
-        ValueError: bad ``world_size``, ``backend``, timeouts, ``threads_per_rank``, or an
-            ``fn``/``args`` that spawned processes cannot import.
+        ValueError: bad ``world_size``, ``backend``, timeouts, ``threads_per_rank``, an
+            ``fn``/``args`` that spawned processes cannot import, or a call from a script's top level
+            outside ``if __name__ == "__main__":`` (every rank would run it again).
     """
     _check_fn(fn)
+    check_main_guard(inspect.currentframe())  # a script's unguarded launch would run again in every rank
     positive_int("world_size", world_size)
     positive_number("timeout", timeout)
     positive_number("startup_timeout", startup_timeout)

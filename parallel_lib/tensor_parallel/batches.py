@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from parallel_lib.common.checks import check_choice, check_int
+from parallel_lib.common.models import GPT2_SIZES
+
 __all__ = ["TPConfig", "make_batches", "saved_activation_bytes"]
 
 
@@ -34,6 +37,22 @@ class TPConfig:
     padding: bool = True           # right-pad some sequences (attention and loss masks)
     n_layer: int = 0               # 0: the size's own depth
     n_embd: int = 0                # 0: the size's own width (n_head stays; must divide)
+
+    def check(self) -> None:
+        """Refuse, naming the field, a model no rank could build (the run's other fields: ``RunConfig.check``).
+
+        Raises:
+            ValueError: an unknown model, ``tp``, ``n_layer`` or ``n_embd`` below 0 (or not an int), or a
+                width the model's heads do not divide.
+        """
+        check_choice("model", self.model, sorted(GPT2_SIZES))
+        check_int("tp", self.tp, 0, hint="0 puts every rank in one tensor-parallel group")
+        for name in ("n_layer", "n_embd"):
+            check_int(name, getattr(self, name), 0, hint="0 keeps the model size's own")
+        n_embd, n_head = self.n_embd or GPT2_SIZES[self.model]["n_embd"], GPT2_SIZES[self.model]["n_head"]
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} is not divisible by the {self.model} model's n_head={n_head}; "
+                             "choose a width that is a multiple of it")
 
     def overrides(self) -> dict[str, Any]:
         """``build_gpt2`` overrides for dropout and the optional depth and width."""

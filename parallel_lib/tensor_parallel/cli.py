@@ -13,10 +13,13 @@ process trained on the same batches (:func:`parallel_lib.training.reference`)::
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, replace
 from typing import Optional
 
+from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.common.cli import add_config_flags
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import gpt2_config
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
@@ -29,6 +32,7 @@ __all__ = ["main"]
 def main(argv: Optional[list[str]] = None) -> int:
     """Parse the flags, run the job (``launch`` or torchrun), print rank 0's summary; returns the exit status."""
     from parallel_lib.training import max_difference, reference, tp_layout, train_tp  # a higher layer: here only
+    from parallel_lib.training.run import check_layout
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.tensor_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=None, help="ranks to launch (default 2; under torchrun "
                         "its --nproc-per-node x --nnodes)")
@@ -37,12 +41,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--check", action="store_true", help="also train one process and compare the parameters")
     add_config_flags(parser, TPConfig)
     args = vars(parser.parse_args(argv))
-    world_size = args.pop("world_size") or (None if is_torchrun() else 2)
+    world_size = args.pop("world_size")  # None: the default; 0 is refused below, not replaced
+    if world_size is None:
+        world_size = RankInfo.from_env().world_size if is_torchrun() else 2
     launch_kwargs = dict(threads_per_rank=args.pop("threads_per_rank"), timeout=args.pop("timeout"))
     check = args.pop("check")
     config = replace(TPConfig(), **args)
-    if world_size is not None and config.tp and world_size % config.tp:  # before any rank starts; tp=0: all ranks
-        parser.error(f"tp={config.tp} must divide world_size={world_size}: choose --world-size a multiple of --tp")
+    try:  # here, before any rank starts: what would otherwise fail inside every rank
+        positive_number("timeout", launch_kwargs["timeout"], hint="seconds for the whole run")
+        if launch_kwargs["threads_per_rank"] is not None:
+            positive_int("threads_per_rank", launch_kwargs["threads_per_rank"])
+        plan, run_config = tp_layout(config, world_size)
+        check_layout(plan, run_config, world_size)
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
     results = run(train_tp, world_size, config, **launch_kwargs)
     if (RankInfo.from_env().rank if is_torchrun() else 0) != 0:
         return 0
@@ -62,10 +74,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  parameters      {first.parameter_bytes / 1e6:.3f} MB on each rank")
     print(f"  activations     {first.activation_bytes / 1e6:.3f} MB saved for backward on rank 0")
     if check:
-        losses, state = reference(tp_layout(config, dp * tp)[1])
-        worst = max(max_difference(results, state).values())
+        losses, state = reference(run_config, dp=dp)  # each replica its own dropout masks
+        worst = max(max_difference(results, state).values())  # inf when a parameter is NaN or infinite
+        ours = [sum(step) for step in zip(*shares)]
         print(f"  one process     losses {[round(v, 4) for v in losses]}; largest parameter difference {worst:.2e}")
-        if worst > 3e-4:
+        if not all(math.isfinite(v) for v in [worst, *ours, *losses]):  # nan > 3e-4 is False: never let it pass
+            print("  MISMATCH: a loss or a parameter is NaN or infinite (the training diverged: try a smaller --lr)")
+            return 1
+        if worst > 3e-4 or max_abs_difference(ours, losses) > 1e-4 * max(abs(v) for v in losses):
             print("  MISMATCH: the tensor-parallel run does not match one process")
             return 1
         print("  matches one process")

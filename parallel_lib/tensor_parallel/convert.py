@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import GPT2LMHeadModel
 
+from parallel_lib.common.checks import check_int
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import from_hf
 from parallel_lib.models.linear import Conv1D
@@ -28,7 +29,7 @@ __all__ = ["tensor_parallelize", "gather_dense"]
 
 
 def tensor_parallelize(model: Any, group: Any = None, sequence_parallel: bool = False, dropout_seed: int = 0,
-                       naive_qkv: bool = False, vocab_parallel: bool = True) -> GPT2:
+                       naive_qkv: bool = False, vocab_parallel: bool = True, dropout_replica: int = 0) -> GPT2:
     """This rank's shard of a dense GPT-2 (a copy): attention and MLP split by heads, vocabulary split by rows.
 
     Call it on every rank of ``group`` with the same dense model. The dense model is not changed.
@@ -39,9 +40,12 @@ def tensor_parallelize(model: Any, group: Any = None, sequence_parallel: bool = 
             ``torch.distributed`` initialised, one rank holding everything).
         sequence_parallel, naive_qkv, vocab_parallel: see :func:`.parallelize.parallelize_tp`.
         dropout_seed: seed of the dropout masks (:mod:`parallel_lib.models.dropout`).
+        dropout_replica: the data-parallel replica this shard trains in; each replica draws its own
+            masks (0: the masks one process draws).
 
     Raises:
-        TypeError: ``model`` is neither. ValueError: see :func:`.parallelize.check_tp_split`.
+        TypeError: ``model`` is neither. ValueError: see :func:`.parallelize.check_tp_split`;
+        ``dropout_seed`` not an int, or ``dropout_replica`` not an int >= 0.
     """
     if isinstance(model, GPT2LMHeadModel):
         dense = from_hf(model, dropout_seed)
@@ -50,10 +54,11 @@ def tensor_parallelize(model: Any, group: Any = None, sequence_parallel: bool = 
             raise ValueError("model is already tensor-parallel; split the dense model, or call gather_dense(model) "
                              "first to get it back")
         dense = copy.deepcopy(model)
-        dense.dropout_stream.seed = dropout_seed
     else:
         raise TypeError(f"model must be a Hugging Face GPT2LMHeadModel (e.g. build_gpt2('tiny')) or the one GPT2 "
                         f"(parallel_lib.models), got {type(model).__name__}")
+    dense.dropout_stream.seed = check_int("dropout_seed", dropout_seed)
+    dense.dropout_stream.replica = check_int("dropout_replica", dropout_replica, minimum=0)
     return parallelize_tp(dense, group, sequence_parallel, vocab_parallel, naive_qkv)
 
 
@@ -82,6 +87,7 @@ def gather_dense(model: GPT2) -> GPT2:
     config, tp, group = model.config, info.tp, info.group
     first = next(model.parameters())
     dense = GPT2(config, seed=model.dropout_stream.seed).to(first.device, first.dtype)
+    dense.dropout_stream.replica = model.dropout_stream.replica
     rows = (lambda r: naive_qkv_rows(config.n_embd, r, tp)) if info.naive_qkv else \
         (lambda r: qkv_rows(config.n_embd, config.n_head, r, tp))
     order = torch.cat([rows(r) for r in range(tp)]).to(first.device)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import from_hf
 from parallel_lib.tensor_parallel.parallelize import as_linear
@@ -88,7 +89,7 @@ def dtensor_check(rank: int, world_size: int, config: Any) -> dict[str, float]:
     gathered = R._all_gather(our_logits.detach(), -1, None)
     their_grad = theirs.transformer.h[0].attn.c_attn.weight.grad.to_local()
     naive = dtensor_parallelize(dense, mesh, reorder_qkv=False)(ids, mask).detach()
-    return dict(logits=float((gathered[keep] - their_logits.detach()[keep]).abs().max()),
-                loss=abs(float(ours.loss(our_logits.detach(), labels, weights)) - float(their_loss.detach())),
-                c_attn_grad=float((ours.transformer.h[0].attn.c_attn.weight.grad - their_grad).abs().max()),
-                naive_logits=float((naive[keep] - their_logits.detach()[keep]).abs().max()))
+    return dict(logits=max_abs_difference(gathered[keep], their_logits[keep]),
+                loss=max_abs_difference(ours.loss(our_logits.detach(), labels, weights), their_loss),
+                c_attn_grad=max_abs_difference(ours.transformer.h[0].attn.c_attn.weight.grad, their_grad),
+                naive_logits=max_abs_difference(naive[keep], their_logits[keep]))

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.training.plan import Plan
@@ -138,7 +139,7 @@ def summarize_layout(results: Sequence[TrainResult], warmup: int = 1) -> LayoutM
 
 
 def max_difference(results: Sequence[TrainResult], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Largest absolute difference per parameter name over every replica's ranks that hold it.
+    """Largest absolute difference per parameter name over every replica's ranks that hold it (``inf``: not finite).
 
     Raises:
         ValueError: no rank returned parameters (run with ``return_state=True``), or a parameter of
@@ -147,7 +148,7 @@ def max_difference(results: Sequence[TrainResult], reference: dict[str, torch.Te
     differences: dict[str, float] = {}
     for r in results:
         for name, tensor in r.state.items():
-            diff = (tensor - reference[name]).abs().max().item()
+            diff = max_abs_difference(tensor, reference[name])  # inf for a NaN or an infinity: never passes
             differences[name] = max(differences.get(name, 0.0), diff)
     if not differences:
         raise ValueError("results hold no parameters: run with return_state=True")

@@ -222,7 +222,8 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     dp, pp = pm.size("dp"), pm.size("pp")
     who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
     device = rank_device()
-    sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed)  # [1]
+    sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed,  # [1]
+                                 dropout_replica=d)  # each replica its own dropout masks
     stage = stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
     parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())

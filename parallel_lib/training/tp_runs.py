@@ -1,11 +1,11 @@
 """Chapter 07's runs as plans of the one training entry: a :class:`TPConfig` becomes (plan, run).
 
 Chapter 07 trains GPT-2 split by heads over ``tp`` ranks, the rest of the world data parallel
-(``dp = world_size / tp``), every replica taking ``batch_size`` rows of each step and one
-micro-batch (so that, with one replica, dropout draws the masks one process draws: see
-:func:`~parallel_lib.training.reference`). :func:`tp_layout` says that as a :class:`Plan` and a
-:class:`RunConfig`; :func:`~parallel_lib.training.train` runs it on every rank and
-:func:`~parallel_lib.training.reference` is the one process it must equal; :func:`train_tp` is
+(``dp = world_size / tp``), every replica taking ``batch_size`` rows of each step in one
+micro-batch. :func:`tp_layout` says that as a :class:`Plan` and a :class:`RunConfig`;
+:func:`~parallel_lib.training.train` runs it on every rank and
+:func:`~parallel_lib.training.reference` ``(run, dp=dp)`` is the one process it must equal (with
+dropout, each replica's rows with that replica's masks); :func:`train_tp` is
 the worker for a launch that knows its world size only inside the ranks (torchrun, the CLI).
 """
 
@@ -28,9 +28,11 @@ def tp_layout(config: TPConfig, world_size: int, return_state: bool = True) -> t
         return_state: whether the ranks send their trained parameters back.
 
     Raises:
-        ValueError: ``world_size`` below 1, or ``tp`` that does not divide it (named in the message).
+        ValueError: ``world_size`` below 1, a model :meth:`TPConfig.check` refuses, or a ``tp`` that does
+            not divide the world size (named in the message).
     """
     positive_int("world_size", world_size)
+    config.check()
     tp = config.tp or world_size
     if world_size % tp:
         raise ValueError(f"tp={tp} must divide world_size={world_size}: choose a world size that is a multiple of tp")

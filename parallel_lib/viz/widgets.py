@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping
 
 from matplotlib.figure import Figure
 
+from parallel_lib.common.checks import positive_int
+
 __all__ = ["figure_panel"]
 
 
@@ -27,8 +29,7 @@ def figure_panel(draw: Callable[..., Figure], controls: Mapping[str, Any], per_r
     import matplotlib.pyplot as plt
     from IPython.display import display
 
-    if per_row < 1:
-        raise ValueError(f"per_row must be >= 1, got per_row={per_row!r}")
+    positive_int("per_row", per_row)
     out = widgets.Output()
 
     def redraw(_: Any = None) -> None:
