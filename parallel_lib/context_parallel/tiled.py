@@ -114,6 +114,19 @@ def _tiles(n: int, block: int) -> list[slice]:
     return [slice(i, min(i + block, n)) for i in range(0, n, block)]
 
 
+def _tile_mask(host: tuple[torch.Tensor, torch.Tensor], qp: torch.Tensor, kp: torch.Tensor, qi: slice, kj: slice,
+               causal: bool) -> tuple[int, Optional[torch.Tensor]]:
+    """``(allowed entries, mask)`` of a tile: 0 entries for a tile wholly in the future (skip it), no mask when
+    every entry is allowed. Decided on the host's copy of the positions: no device sync per tile on a GPU."""
+    area = (qi.stop - qi.start) * (kj.stop - kj.start)
+    if not causal:
+        return area, None
+    allowed = int((host[1][None, kj] <= host[0][qi, None]).sum())
+    if allowed in (0, area):
+        return allowed, None
+    return allowed, kp[None, kj] <= qp[qi, None]                                   # (tq, tk) on the device
+
+
 def _safe(m: torch.Tensor) -> torch.Tensor:
     """``m`` with -inf (no key seen yet) replaced by 0, so that ``exp(x − m)`` stays 0, never NaN."""
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -144,17 +157,17 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     qf, kf, vf = q.float(), k.float(), v.float()
     out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    host = (qp.cpu(), kp.cpu())
     for qi in _tiles(q.shape[2], block):
         m = torch.full(qf.shape[:2] + (qi.stop - qi.start,), float("-inf"), device=q.device)   # (b, n, tq)
         l = torch.zeros_like(m)
         acc = torch.zeros(qf.shape[:2] + (qi.stop - qi.start, qf.shape[3]), device=q.device)   # (b, n, tq, d)
         for kj in _tiles(k.shape[2], block):
-            allowed = kp[None, kj] <= qp[qi, None] if causal else None                       # (tq, tk)
-            if allowed is not None and not bool(allowed.any()):
+            count, allowed = _tile_mask(host, qp, kp, qi, kj, causal)
+            if count == 0:
                 continue                                                                     # all in the future
             if work is not None:
-                area = (qi.stop - qi.start) * (kj.stop - kj.start)
-                work.add(TileWork(1, area, area if allowed is None else int(allowed.sum())))
+                work.add(TileWork(1, (qi.stop - qi.start) * (kj.stop - kj.start), count))
             s = (qf[:, :, qi] @ kf[:, :, kj].transpose(-1, -2)) * scale                     # [1] (b, n, tq, tk)
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
@@ -194,14 +207,14 @@ def tiled_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = (do * out.float()).sum(dim=-1)                                     # D = rowsum(dO ∘ O): (b, n, sq)
     safe_lse = _safe(lse)
     dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    host = (qp.cpu(), kp.cpu())
     for qi in _tiles(q.shape[2], block):
         for kj in _tiles(k.shape[2], block):
-            allowed = kp[None, kj] <= qp[qi, None] if causal else None
-            if allowed is not None and not bool(allowed.any()):
+            count, allowed = _tile_mask(host, qp, kp, qi, kj, causal)
+            if count == 0:
                 continue
             if work is not None:
-                area = (qi.stop - qi.start) * (kj.stop - kj.start)
-                work.add(TileWork(1, area, area if allowed is None else int(allowed.sum())))
+                work.add(TileWork(1, (qi.stop - qi.start) * (kj.stop - kj.start), count))
             s = (qf[:, :, qi] @ kf[:, :, kj].transpose(-1, -2)) * scale
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
