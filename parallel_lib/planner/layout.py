@@ -5,7 +5,7 @@ Every number comes from code a chapter verified, not from a new formula:
 - parameters per rank: :func:`parallel_lib.tensor_parallel.cost.shard_parameters` (chapter 07) for a
   block and the embedding, the stages split by ``split_layers``'s rule (chapter 04: the first stages
   take one block more), the tied head's copy on the last stage (chapter 05's DP×PP run holds one);
-- model state per rank: :func:`parallel_lib.sharding.memory.zero_memory` (chapter 06) of those parameters;
+- model state per rank: :func:`parallel_lib.cost.zero.zero_memory` (chapter 06) of those parameters;
 - activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
   sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
   (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
@@ -13,7 +13,9 @@ Every number comes from code a chapter verified, not from a new formula:
   :func:`~parallel_lib.tensor_parallel.cost.training_flops`; tensor-parallel collectives from
   :func:`~parallel_lib.tensor_parallel.cost.step_collectives`; the pipeline replayed by
   :func:`parallel_lib.pipeline_parallel.simulator.simulate_schedule` with those costs and the send time;
-  then the data-parallel collectives of the ZeRO stage and the optimizer on the rank's share.
+  then the data-parallel collectives of the ZeRO stage (:func:`dp_collectives`: ZeRO-2 reduce-scatters
+  every micro-batch's gradients, ZeRO-3 gathers the parameters twice per micro-batch) and the
+  optimizer on the rank's share.
 
 Nothing overlaps: the course's engines run the gradient collectives after the backward pass
 (chapter 05's DP×PP, chapter 07's TP×DP) and the tensor-parallel all-reduces between the layers'
@@ -27,15 +29,15 @@ from functools import lru_cache
 from typing import Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
+from parallel_lib.cost.zero import zero_collectives, zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import Calibration
-from parallel_lib.sharding.memory import zero_memory
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "price", "SCHEDULES"]
+__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "price", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
@@ -140,6 +142,22 @@ def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
     out[0] += embedding
     out[-1] += ln_f + (shape.vocab_size * shape.n_embd // tp if pp > 1 else 0)
     return out
+
+
+def dp_collectives(layout: Layout, params: int, blocks: int) -> dict[str, tuple[int, float]]:
+    """One step's collectives of a rank over its dp group: ``{collective: (calls, message bytes)}``.
+
+    :func:`~parallel_lib.cost.zero.zero_collectives` of the rank's ``params`` in the layout's dtype,
+    as flat groups: ``grad_collectives`` of them at ZeRO-0 (chapter 07's TP × DP all-reduces each
+    tensor: a latency per call), one at ZeRO-1/2, one per block plus one for the rest at ZeRO-3;
+    ZeRO-2 reduce-scatters once per micro-batch and ZeRO-3 gathers twice per micro-batch. Empty
+    without data parallelism.
+    """
+    if layout.dp == 1:
+        return {}
+    n = layout.grad_collectives if layout.zero == 0 else blocks + 1 if layout.zero == 3 else 1
+    grad_bytes = params * DTYPE_BYTES[layout.dtype]
+    return zero_collectives([grad_bytes / n] * n, layout.zero, layout.micro_batches)
 
 
 @dataclass(frozen=True)
@@ -251,18 +269,9 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         compute = step * unit
     tp_comm = tp_total * L.micro_batches
 
-    # after the backward pass: ZeRO's (or plain DP's) collectives over the dp ranks, and the optimizer step
+    # ZeRO's (or plain DP's) collectives over the dp ranks, every micro-batch's included; the optimizer step
     p, dp_span = params[busiest], L.tp * L.pp * L.dp
-    grad_bytes = p * width
-    dp_calls: dict = {}
-    if L.dp > 1:
-        if L.zero == 0:  # chapter 07's TP x DP all-reduces each gradient tensor: a latency per call
-            dp_calls = {"all_reduce": (L.grad_collectives, grad_bytes)}
-        elif L.zero in (1, 2):
-            dp_calls = {"reduce_scatter": (1, grad_bytes), "all_gather": (1, grad_bytes)}
-        else:  # per layer group: gathered for forward and again for backward, gradients reduce-scattered
-            groups = max(blocks) + 1
-            dp_calls = {"all_gather": (2 * groups, 2 * grad_bytes), "reduce_scatter": (groups, grad_bytes)}
+    dp_calls = dp_collectives(L, p, max(blocks))
     dp_comm = _collective_seconds(dp_calls, calibration, world, L.dp, dp_span)
     if L.pp > 1 and L.virtual == 1:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width

@@ -9,8 +9,11 @@ Models are GPT-shaped (12h² parameters per block): Llama 3 405B's GQA attention
 Sources (numbers as the papers report them):
 - Llama Team, "The Llama 3 Herd of Models" (2024), table 4 and sec. 3.3.2: 405B (126 layers,
   h 16384, 128 heads, vocabulary 128,256), 16,384 H100 80 GB, TP 8 × CP 1 × PP 16 × DP 128 at
-  sequence 8192, 16 M tokens per batch (2048 sequences); FSDP-style sharding of optimizer states
-  and gradients over DP (ZeRO-2 here), 400 TFLOP/s per GPU (41 % of the bf16 peak).
+  sequence 8192, 16 M tokens per batch (2048 sequences, 16 per replica: m = 16 micro-batches); FSDP
+  sharding of optimizer states and gradients over DP with the parameters not resharded after the
+  forward (sec. 3.3.2: no second all-gather for the backward), which is ZeRO-2 here: the gradients
+  reduce-scattered after each micro-batch's backward, the parameters gathered once per step;
+  400 TFLOP/s per GPU (41 % of the bf16 peak).
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", table 1: the 145.6 B GPT (80 layers, h 12288, 96 heads, vocabulary 51,200,
   sequence 2048) on 1536 A100 80 GB with TP 8 × PP 8 × DP 24, batch 2304, interleaved schedule,
@@ -92,6 +95,14 @@ def _why(theirs: Priced, ours: Priced) -> str:
                        "sharding the optimizer states over the data-parallel ranks frees the memory that lets a "
                        "smaller TP degree fit (Megatron-LM's 2021 runs replicated them; its distributed optimizer "
                        "came later)")
+    if b.zero < a.zero and a.zero >= 2 and a.micro_batches > 1:
+        reasons.append(f"ZeRO-{b.zero} where they used ZeRO-{a.zero}: with {a.micro_batches} micro-batches per step "
+                       f"ZeRO-2 reduce-scatters the gradients {a.micro_batches} times"
+                       + (" and ZeRO-3 gathers the parameters twice as often" if a.zero == 3 else "")
+                       + f" ({theirs.dp_comm:.2f} s of data-parallel collectives against {ours.dp_comm:.2f} s; "
+                       "the planner overlaps none of them with compute)")
+    if b.recompute and not a.recompute:
+        reasons.append("activation recomputation, because their layout does not fit in its memory model")
     return ("the planner prefers " + "; ".join(reasons) +
             f" (predicted {ours.step_seconds:.2f} s vs {theirs.step_seconds:.2f} s per step at peak FLOP/s). It knows "
             "no failures, no network congestion and no kernel efficiency below peak, all of which make teams "

@@ -1,8 +1,8 @@
 """Part II in the planner: sharded data parallelism (ZeRO) and tensor parallelism as options.
 
 Chapters 06 and 07 each verified a formula against what their code holds and sends: ZeRO's
-model-state bytes per rank and traffic (:func:`parallel_lib.sharding.memory.zero_memory`,
-:func:`~parallel_lib.sharding.memory.zero_traffic`) and tensor parallelism's activation bytes and
+model-state bytes per rank and traffic (:func:`parallel_lib.cost.zero.zero_memory`,
+:func:`~parallel_lib.cost.zero.zero_traffic`) and tensor parallelism's activation bytes and
 collectives (:mod:`parallel_lib.tensor_parallel.cost`). The planner prices the two strategies with
 those very functions, so what it predicts is what the chapters measured:
 
@@ -24,7 +24,7 @@ from parallel_lib.data_parallel.ring import allreduce_cost
 from parallel_lib.model_parallel.memory import (DTYPE_BYTES, OPTIMIZER_STATES, GiB, ModelShape, activation_memory,
                                                 training_memory)
 from parallel_lib.planner.option import Option, ring_bytes
-from parallel_lib.sharding.memory import zero_memory, zero_traffic
+from parallel_lib.cost.zero import zero_memory, zero_passes, zero_traffic
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes
 
 __all__ = ["zero_option", "tensor_parallel_option", "GPUS_PER_NODE"]
@@ -55,7 +55,9 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
 
     Activations are one sequence's (gradient accumulation over the replica's share of the batch);
     where no stage fits, activation recomputation is tried (if ``recompute``) as the last resort.
-    Traffic is :func:`zero_traffic`: stages 1–2 send what DP sends, stage 3 one and a half times.
+    Traffic is :func:`~parallel_lib.cost.zero.zero_traffic` with one micro-batch per sequence: stage 1
+    sends what DP sends, stage 2 ``(m + 1)/2`` times as much (a reduce-scatter per micro-batch), stage 3
+    ``3m/2`` times (the parameters gathered twice per micro-batch).
     """
     replicas = min(n_gpus, batch_size)
     if optimizer is None or replicas < 2:
@@ -77,10 +79,12 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
                 break
         if fits:
             break
-    sent = zero_traffic(shape.n_params, replicas, stage, precision)
-    reasons.append(f"stage {stage} sends {sent / 1e9:.3f} GB per GPU per step ("
-                   f"{'1.5x' if stage == 3 else '1x'} data parallelism); {rows} sequence(s) per rank, "
-                   "one at a time (gradient accumulation)")
+    sent = zero_traffic(shape.n_params, replicas, stage, precision, micro_batches=rows)
+    passes = zero_passes(stage, rows)
+    reasons.append(f"{rows} sequence(s) per rank, one at a time (gradient accumulation): stage {stage} sends "
+                   f"{sent / 1e9:.3f} GB per GPU per step, {passes / 2:g}x data parallelism"
+                   + ("" if stage < 2 or rows == 1 else
+                      f" ({'a reduce-scatter of the gradients per sequence' if stage == 2 else 'the parameters gathered twice and the gradients reduce-scattered per sequence'})"))
     return Option(f"ZeRO-{stage}" if fits else "ZeRO", replicas, 1, rows, state, acts, 0.0, sent, 0.0,
                   sent / bandwidth, fits, tuple(reasons), recomputed)
 

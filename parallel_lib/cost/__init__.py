@@ -1,0 +1,22 @@
+"""The course's cost model, in one place: what a layout holds and sends, as formulas.
+
+Layer 0 (it imports only ``common`` and torch): the chapters, the training runs' checks and the
+planner read the same formulas. Each is tested against the world, never against itself: a
+literal from a paper (with its section), the tensor census of a real run, or the collective
+counter of a real run.
+
+- :mod:`.zero`: ZeRO's model state per rank and its traffic per step, micro-batches included.
+"""
+
+from parallel_lib.cost.zero import (
+    BYTES_PER_PARAM,
+    megatron_bytes_per_param,
+    zero_collectives,
+    zero_memory,
+    zero_paper_table,
+    zero_passes,
+    zero_traffic,
+)
+
+__all__ = ["BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic", "zero_collectives", "zero_paper_table",
+           "megatron_bytes_per_param"]
