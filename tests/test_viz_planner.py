@@ -87,3 +87,17 @@ def test_the_widget_opens_on_the_static_figures_job_and_redraws_on_a_change():
     assert isinstance(panel.children[-1], widgets.Output)
     controls[2].value = 8  # redraws without raising
     plt.close("all")
+
+
+def test_a_zero3_bar_shows_its_gathered_working_set_between_state_and_activations():
+    from parallel_lib.planner.search import Candidate
+
+    layouts = [Layout(dp=8, zero=3, dtype="bf16"), Layout(dp=8, zero=1, dtype="bf16")]
+    shown = [Candidate(_priced(layout), layout) for layout in layouts]
+    fig = memory_bars(shown, 80 * 2**30)
+    state, working, acts, *others = fig.axes[0].patches
+    assert len(others) == 2  # ZeRO-1: state and activations only
+    assert working.get_x() == pytest.approx(state.get_width())
+    assert working.get_width() == pytest.approx(shown[0].priced.working_bytes / 2**30) and working.get_width() > 0
+    assert acts.get_x() == pytest.approx(state.get_width() + working.get_width())
+    plt.close(fig)

@@ -5,18 +5,21 @@ planner read the same formulas. Each is tested against the world, never against 
 literal from a paper (with its section), the tensor census of a real run, or the collective
 counter of a real run.
 
-- :mod:`.zero`: ZeRO's model state per rank and its traffic per step, micro-batches included.
+- :mod:`.zero`: ZeRO's model state per rank (ZeRO-3's gathered working set included, DeepSpeed's
+  estimators beside it) and its traffic per step, micro-batches included.
 """
 
 from parallel_lib.cost.zero import (
     BYTES_PER_PARAM,
+    deepspeed_estimate,
     megatron_bytes_per_param,
     zero_collectives,
     zero_memory,
     zero_paper_table,
     zero_passes,
+    zero3_working_set,
     zero_traffic,
 )
 
 __all__ = ["BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic", "zero_collectives", "zero_paper_table",
-           "megatron_bytes_per_param"]
+           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate"]

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 from parallel_lib.common.checks import check_choice, check_number, positive_int
 
 __all__ = ["BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic", "zero_collectives", "zero_paper_table",
-           "megatron_bytes_per_param"]
+           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate"]
 
 # precision -> (parameter, gradient, optimizer state) bytes per parameter, with Adam(W)
 BYTES_PER_PARAM = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
@@ -143,3 +143,64 @@ def megatron_bytes_per_param(world_size: int) -> list[tuple[str, float, float, s
     return [("fp16 params, fp16 grads", 20, 4 + 16 / d, "2+2 kept; fp32 main grad 4 + master 4 + moments 8 sharded"),
             ("bf16 params, fp32 grads", 18, 6 + 12 / d, "2+4 kept; master 4 + moments 8 sharded"),
             ("fp32 params, fp32 grads", 16, 8 + 8 / d, "4+4 kept; moments 8 sharded")]
+
+
+def zero3_working_set(layer_params: Sequence[int], outer_params: int, prefetch: bool = True,
+                      param_bytes: float = 2, grad_bytes: float = 2) -> dict[str, float]:
+    """Bytes a ZeRO-3 rank holds whole, beyond its shards, at the peak of a step (the course's ``ZeroEngine``).
+
+    Between steps a ZeRO-3 rank keeps only its 1/N shards (:func:`zero_memory`); while a micro-batch
+    runs it also holds gathered copies. The engine's hooks (:mod:`parallel_lib.sharding.layers`) keep
+    the group outside the layers (embeddings, final norm, the tied head) gathered from the start of
+    the forward to the end of the backward, gather a layer group just before it computes and, with
+    ``prefetch``, the next one while it does. In the backward the layer group's gradients are whole
+    until they are reduce-scattered, and so are the outer group's (the head's gradient comes first
+    in the backward, the embedding's last):
+
+        params: (outer + largest layer + [prefetch] second largest layer) · param_bytes
+        grads:  (outer + largest layer) · grad_bytes
+
+    The ZeRO paper's 16Ψ/N (sec. 5) and DeepSpeed's estimator (:func:`deepspeed_estimate`) count
+    less: the paper nothing gathered, DeepSpeed one layer's parameters and gradients.
+
+    Args:
+        layer_params: elements of each layer group on this rank.
+        outer_params: elements outside the layer groups (0 if the stage holds none).
+        prefetch: the next layer group is gathered while the current one computes.
+        param_bytes, grad_bytes: bytes per element of the gathered parameters and of the gradients.
+
+    Returns:
+        ``{"params", "grads", "total"}`` in bytes.
+
+    Raises:
+        ValueError: no layer group, or a negative size.
+    """
+    if not layer_params:
+        raise ValueError("layer_params must list at least one layer group's elements, got an empty list")
+    for i, n in enumerate(layer_params):
+        check_number(f"layer_params[{i}]", n, 0.0)
+    outer = check_number("outer_params", outer_params, 0.0)
+    largest = sorted(layer_params, reverse=True)
+    gathered = outer + largest[0] + (largest[1] if prefetch and len(largest) > 1 else 0)
+    out = {"params": gathered * param_bytes, "grads": (outer + largest[0]) * grad_bytes}
+    out["total"] = out["params"] + out["grads"]
+    return out
+
+
+def deepspeed_estimate(num_params: float, world_size: int, stage: int, largest_layer_params: float = 0.0) -> float:
+    """GPU bytes per rank by DeepSpeed's estimators, without offloading (their conventions, not ours).
+
+    ``estimate_zero2_model_states_mem_needs`` (``deepspeed/runtime/zero/stage_1_and_2.py``):
+    ``2Ψ + 18Ψ/N`` (16-bit parameters whole; 16-bit and fp32 gradients, fp32 master and two moments
+    sharded). ``estimate_zero3_model_states_mem_needs`` (``deepspeed/runtime/zero/stage3.py``):
+    ``4 · largest layer + 18Ψ/N`` (one layer's 16-bit parameters and gradients whole). "Largest layer"
+    is the module with the most parameters of its own (GPT-2's or Llama's token embedding).
+
+    Raises:
+        ValueError: a stage other than 2 or 3, a negative size or ``world_size < 1``.
+    """
+    psi = check_number("num_params", num_params, 0.0)
+    n = positive_int("world_size", world_size)
+    check_choice("stage", stage, (2, 3))
+    largest = check_number("largest_layer_params", largest_layer_params, 0.0)
+    return (2 * psi if stage == 2 else 4 * largest) + 18 * psi / n

@@ -5,7 +5,10 @@ Every number comes from code a chapter verified, not from a new formula:
 - parameters per rank: :func:`parallel_lib.tensor_parallel.cost.shard_parameters` (chapter 07) for a
   block and the embedding, the stages split by ``split_layers``'s rule (chapter 04: the first stages
   take one block more), the tied head's copy on the last stage (chapter 05's DP×PP run holds one);
-- model state per rank: :func:`parallel_lib.cost.zero.zero_memory` (chapter 06) of those parameters;
+- model state per rank: :func:`parallel_lib.cost.zero.zero_memory` (chapter 06) of those parameters
+  (what a rank keeps between steps, the tensor census); under ZeRO-3 also the working set
+  :func:`~parallel_lib.cost.zero.zero3_working_set`, what the rank gathers while it computes (the
+  embeddings and head, a block, the prefetched next block, and their whole gradients);
 - activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
   sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
   (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
@@ -29,7 +32,7 @@ from functools import lru_cache
 from typing import Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
-from parallel_lib.cost.zero import zero_collectives, zero_memory
+from parallel_lib.cost.zero import zero3_working_set, zero_collectives, zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
@@ -166,7 +169,7 @@ class Priced:
 
     layout: Layout
     params: int                  # parameters on the busiest rank
-    state_bytes: float           # parameters + gradients + optimizer states (ZeRO formula)
+    state_bytes: float           # parameters + gradients + optimizer states between steps (ZeRO formula)
     activation_bytes: float      # peak kept for backward
     in_flight: float             # micro-batches' activations held at the peak (schedule's figure)
     compute: float               # forward + backward of every micro-batch, bubbles included
@@ -174,10 +177,11 @@ class Priced:
     dp_comm: float               # gradient and parameter collectives after the backward pass
     optimizer: float
     bubble: float                # the simulator's (pipeline only)
+    working_bytes: float = 0.0   # ZeRO-3: gathered parameters and their whole gradients while computing
 
     @property
     def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.working_bytes + self.activation_bytes
 
     @property
     def step_seconds(self) -> float:
@@ -230,7 +234,12 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     blocks = stage_blocks(shape.n_layer, L.pp)
     precision = "fp32" if width == 4 else "bf16"
     states = [zero_memory(p, L.dp, L.zero if L.dp > 1 else 0, precision)["total"] for p in params]
-    busiest = max(range(L.pp), key=lambda s: states[s])
+    working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
+    if L.zero == 3 and L.dp > 1:
+        block = _block_and_rest(shape, L.tp)[0]
+        working = [zero3_working_set([block] * b, p - b * block, True, width, width)["total"]
+                   for p, b in zip(params, blocks)]
+    busiest = max(range(L.pp), key=lambda s: states[s] + working[s])
     # activations of one micro-batch on the busiest stage (the 16-bit formulas, scaled to the dtype)
     stage_shape = replace(shape, n_layer=max(blocks))
     if L.recompute:
@@ -279,4 +288,5 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     total_params = sum(rank_parameters(shape, 1, 1))
     share = p / total_params / (L.dp if L.zero >= 1 else 1)
     optimizer = step_cost.optimizer * share
-    return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble)
+    return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble,
+                  working[busiest])

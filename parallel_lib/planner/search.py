@@ -136,6 +136,8 @@ def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int,
     unit, size = ("GiB", 2**30) if memory >= 2**30 else ("MiB", 2**20)
     rejected.append(Candidate(priced, priced.layout,
                               f"{priced.state_bytes / size:.1f} {unit} of model state + "
+                              + (f"{priced.working_bytes / size:.1f} {unit} gathered by ZeRO-3 + "
+                                 if priced.working_bytes else "") +
                               f"{priced.activation_bytes / size:.1f} {unit} of activations ({priced.in_flight:g} "
                               "micro-batch(es) in flight) > "
                               f"{memory / size:.0f} {unit} per device"))

@@ -24,7 +24,7 @@ from parallel_lib.data_parallel.ring import allreduce_cost
 from parallel_lib.model_parallel.memory import (DTYPE_BYTES, OPTIMIZER_STATES, GiB, ModelShape, activation_memory,
                                                 training_memory)
 from parallel_lib.planner.option import Option, ring_bytes
-from parallel_lib.cost.zero import zero_memory, zero_passes, zero_traffic
+from parallel_lib.cost.zero import zero3_working_set, zero_memory, zero_passes, zero_traffic
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes
 
 __all__ = ["zero_option", "tensor_parallel_option", "GPUS_PER_NODE"]
@@ -46,6 +46,13 @@ def _one_sequence(shape: ModelShape, seq_len: int, dtype: str, attention_scores:
         return 0.0
     return activation_memory(1, seq_len, shape.hidden, shape.n_heads, shape.n_layers, attention_scores,
                              recompute) * DTYPE_BYTES[dtype] / 2
+
+
+def _working_set(shape: ModelShape, width: int) -> float:
+    """ZeRO-3's gathered working set of a published shape: blocks of 12h² + 13h, the rest outside them."""
+    block = 12 * shape.hidden ** 2 + 13 * shape.hidden
+    outer = max(0, shape.n_params - shape.n_layers * block)
+    return zero3_working_set([block] * shape.n_layers, outer, True, width, width)["total"]
 
 
 def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: float, n_gpus: int,
@@ -71,6 +78,8 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
         acts = _one_sequence(shape, seq_len, dtype, attention_scores, recomputed, include_activations)
         for stage in (1, 2, 3):
             state = zero_memory(shape.n_params, replicas, stage, precision, optimizer_bytes=k)["total"]
+            if stage == 3:  # the gathered embeddings and head, a block and the prefetched next one, and gradients
+                state += _working_set(shape, DTYPE_BYTES[dtype])
             fits = state + acts <= gpu_bytes
             reasons.append(f"ZeRO-{stage}{' with recomputation' if recomputed else ''}: {state / GiB:.1f} GiB of "
                            f"sharded state over {replicas} ranks + {acts / GiB:.1f} GiB of one sequence's "

@@ -46,19 +46,26 @@ MODELS: dict[str, tuple[GPTShape, int]] = {   # name -> (shape, sequence length)
 
 def memory_bars(candidates: Sequence[Candidate], memory_per_device: float, ax: Optional[Axes] = None,
                 title: str = "") -> Figure:
-    """Stacked bars per layout: model state and activations of the busiest rank; hatched when it does not fit."""
+    """Stacked bars per layout: model state, ZeRO-3's gathered working set (if any) and activations of the busiest
+    rank; hatched when it does not fit."""
     if not candidates:
         raise ValueError("candidates is empty: pass a LayoutPlan's ranked and/or rejected candidates")
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.35 * len(candidates) + 1.2))
+    gathered_label = "ZeRO-3's gathered working set"
     for y, c in enumerate(candidates):
         if c.priced is None:  # refused before pricing (a batch that does not split): no bar to draw
             ax.text(0, y, f"  {c.why_not}", va="center", fontsize=7)
             continue
         hatch = None if c.fits else "//"
         state, acts = c.priced.state_bytes / GiB, c.priced.activation_bytes / GiB
+        working = c.priced.working_bytes / GiB
         ax.barh(y, state, color="#4C72B0", hatch=hatch, edgecolor="white", label="model state" if y == 0 else None)
-        ax.barh(y, acts, left=state, color="#DD8452", hatch=hatch, edgecolor="white",
+        if working:  # ZeRO-3 only
+            ax.barh(y, working, left=state, color="#55A868", hatch=hatch, edgecolor="white",
+                    label=gathered_label)
+            gathered_label = None  # one legend entry
+        ax.barh(y, acts, left=state + working, color="#DD8452", hatch=hatch, edgecolor="white",
                 label="activations" if y == 0 else None)
     ax.axvline(memory_per_device / GiB, color="red", ls="--", lw=1,
                label=f"memory per device {memory_per_device / GiB:.0f} GiB")
