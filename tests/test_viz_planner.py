@@ -46,12 +46,15 @@ def test_memory_bars_draw_state_and_activations_in_gib_and_hatch_the_misfits():
     shown = list(plan.ranked[:2]) + [c for c in plan.rejected if c.priced][:2]
     assert len(shown) == 4 and not shown[-1].fits
     fig = memory_bars(shown, plan.memory_per_device)
-    bars = fig.axes[0].patches
-    assert len(bars) == 2 * len(shown)  # state, then activations, per layout
-    for k, c in enumerate(shown):
-        state, acts = bars[2 * k], bars[2 * k + 1]
+    bars = list(fig.axes[0].patches)
+    # state, then activations, per layout (and between them ZeRO-3's gathered working set)
+    assert len(bars) == 2 * len(shown) + sum(1 for c in shown if c.priced.working_bytes)
+    for c in shown:
+        state = bars.pop(0)
+        working = bars.pop(0).get_width() if c.priced.working_bytes else 0.0
+        acts = bars.pop(0)
         assert state.get_width() == pytest.approx(c.priced.state_bytes / 2**30)
-        assert acts.get_x() == pytest.approx(state.get_width())
+        assert acts.get_x() == pytest.approx(state.get_width() + working)
         assert acts.get_width() == pytest.approx(c.priced.activation_bytes / 2**30)
         assert bool(state.get_hatch()) == (not c.fits)
     plt.close(fig)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from parallel_lib.cost.units import GiB
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.planner.search import LayoutPlan, plan_layouts
@@ -113,7 +114,7 @@ def compare_run(run: PublishedRun, max_pp: int = 32) -> Compared:
     """The team's layout and the planner's best, priced with the GPU's published peaks."""
     calibration = published_calibration(run.gpu)
     cost = StepCost(0.0, GPUS[run.gpu].flops_bf16)
-    memory = GPUS[run.gpu].memory_gb * 1e9
+    memory = GPUS[run.gpu].memory_bytes
     plan = plan_layouts(run.shape, run.devices, memory, run.global_batch, run.seq_len, calibration, cost,
                         dtype="bf16", max_pp=max_pp, schedules=("1f1b", "interleaved"))
     theirs = price(run.layout, run.shape, run.global_batch, run.seq_len, calibration, cost) if run.layout else None
@@ -132,7 +133,7 @@ def compare_all(max_pp: int = 32) -> list[Compared]:
 
 def table(compared: list[Compared]) -> list[list[object]]:
     """Rows: run, GPUs, their layout and memory per GPU, the planner's and its memory, the note."""
-    gib = 2**30
+    gib = GiB
     rows = []
     for c in compared:
         best = c.plan.best

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.common.timeline import Event
+from parallel_lib.cost.units import GiB
 from parallel_lib.pipeline_parallel.simulator import simulate
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Priced, StepCost
@@ -33,7 +34,6 @@ from parallel_lib.viz.widgets import figure_panel
 __all__ = ["MODELS", "memory_bars", "predicted_events", "predicted_timeline", "measured_vs_predicted",
            "published_plan", "planner_figure", "planner_widget"]
 
-GiB = 2**30
 # GPT-shaped models (12h² per block) the widget offers: GPT-2 XL's published shape, and the shapes
 # parallel_lib.planner.published uses for Llama 3 8B and 405B and GPT-3 175B (sources named there)
 MODELS: dict[str, tuple[GPTShape, int]] = {   # name -> (shape, sequence length)
@@ -127,7 +127,7 @@ def published_plan(model: str, gpu: str, devices: int, global_batch: int) -> Lay
     shape, seq = MODELS[check_choice("model", model, list(MODELS))]
     g = GPUS[check_choice("gpu", gpu, sorted(GPUS))]
     positive_int("devices", devices)
-    return plan_layouts(shape, devices, g.memory_gb * 1e9, positive_int("global_batch", global_batch), seq,
+    return plan_layouts(shape, devices, g.memory_bytes, positive_int("global_batch", global_batch), seq,
                         published_calibration(gpu), StepCost(0.0, g.flops_bf16), dtype="bf16",
                         schedules=("1f1b", "interleaved"), zero_stages=(0, 1, 3), max_pp=16)
 
