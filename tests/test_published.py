@@ -35,8 +35,8 @@ def test_metas_llama3_405b_layout_is_table_4s_and_fits_its_h100s():
     assert run.global_batch * run.seq_len == 16 * 2**20  # 16M tokens per batch
     assert not layout.recompute
     theirs = compare_run(run).theirs
-    assert round(theirs.memory_bytes / GiB, 1) == 75.1
-    assert theirs.memory_bytes <= GPUS["H100"].memory_bytes  # fits: 4.5 GiB left for CUDA, NCCL and the allocator
+    assert round(theirs.memory_bytes / GiB, 1) == 74.8  # 75.1 with the GPT-shaped 405B it had before
+    assert theirs.memory_bytes <= GPUS["H100"].memory_bytes  # fits: 4.8 GiB left for CUDA, NCCL and the allocator
     assert theirs.memory_bytes > 80 * GB  # what the planner compared with before: "does NOT fit"
 
 

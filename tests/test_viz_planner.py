@@ -42,7 +42,7 @@ def test_the_predicted_step_spans_compute_then_collectives_and_optimizer_on_ever
 
 
 def test_memory_bars_draw_state_and_activations_in_gib_and_hatch_the_misfits():
-    plan = published_plan("Llama-style 8B", "V100", 8, 64)  # 16 bytes per parameter: much does not fit
+    plan = published_plan("Llama 3 8B", "V100", 8, 64)  # 16 bytes per parameter: much does not fit
     shown = list(plan.ranked[:2]) + [c for c in plan.rejected if c.priced][:2]
     assert len(shown) == 4 and not shown[-1].fits
     fig = memory_bars(shown, plan.memory_per_device)
@@ -86,7 +86,7 @@ def test_the_widget_opens_on_the_static_figures_job_and_redraws_on_a_change():
 
     panel = planner_widget()
     controls = [c for row in panel.children[:-1] for c in row.children]
-    assert [c.value for c in controls] == ["Llama-style 8B", "H100", 64, 256]  # figures.py's planner_widget_ch10
+    assert [c.value for c in controls] == ["Llama 3 8B", "H100", 64, 256]  # figures.py's planner_widget_ch10
     assert isinstance(panel.children[-1], widgets.Output)
     controls[2].value = 8  # redraws without raising
     plt.close("all")

@@ -130,20 +130,19 @@ def stage_blocks(n_layer: int, pp: int) -> list[int]:
 
 
 def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
-    """(one block's, the embedding+positions', ln_f's) parameters on a tp rank, from ``shard_parameters``."""
-    no_blocks = replace(shape, n_layer=0)
-    block = shard_parameters(replace(shape, n_layer=1), tp) - shard_parameters(no_blocks, tp)
-    ln_f = 2 * shape.n_embd
-    return block, shard_parameters(no_blocks, tp) - ln_f, ln_f
+    """(one block's, the first stage's extra, the last stage's extra) parameters on a tp rank (one stage: both)."""
+    shard_parameters(shape, tp)  # checks that tp divides the heads and the vocabulary
+    outer = shape.outer_parameters(tp)
+    return shape.block_parameters(tp), outer["embedding"], outer["final_norm"] + outer["head"]
 
 
 def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
-    """Parameters each pipeline stage's rank holds; the last stage keeps its own copy of the tied head."""
-    block, embedding, ln_f = _block_and_rest(shape, tp)
+    """Parameters each pipeline stage's rank holds; with a tied head the last stage keeps its own copy of it."""
+    block, embedding, last = _block_and_rest(shape, tp)
     blocks = stage_blocks(shape.n_layer, pp)
     out = [b * block for b in blocks]
     out[0] += embedding
-    out[-1] += ln_f + (shape.vocab_size * shape.n_embd // tp if pp > 1 else 0)
+    out[-1] += last + (shape.vocab_size * shape.n_embd // tp if pp > 1 and shape.tied_head else 0)
     return out
 
 
@@ -190,7 +189,7 @@ class Priced:
 
 def _flops(shape: GPTShape, blocks: int, rows: int, seq: int, head: bool) -> float:
     """Forward + backward FLOPs of ``blocks`` blocks (and the head) on ``rows`` sequences: training_flops' terms."""
-    block = 72 * rows * seq * blocks * shape.n_embd ** 2 * (1 + seq / (6 * shape.n_embd))
+    block = 6 * rows * seq * blocks * shape.matmul_parameters() + 12 * rows * seq * seq * blocks * shape.n_embd
     return block + (6 * rows * seq * shape.n_embd * shape.vocab_size if head else 0.0)
 
 
@@ -282,7 +281,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     p, dp_span = params[busiest], L.tp * L.pp * L.dp
     dp_calls = dp_collectives(L, p, max(blocks))
     dp_comm = _collective_seconds(dp_calls, calibration, world, L.dp, dp_span)
-    if L.pp > 1 and L.virtual == 1:  # the tied embedding's gradient between first and last stage
+    if L.pp > 1 and L.virtual == 1 and shape.tied_head:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width
         dp_comm += calibration.link("all_reduce", world, dp_span).seconds("all_reduce", tied, 2)
     total_params = sum(rank_parameters(shape, 1, 1))

@@ -3,8 +3,11 @@
 Each run is priced twice with the published GPU figures (:mod:`parallel_lib.planner.hardware`):
 the team's own layout (its memory per GPU and predicted step), and the planner's best layout
 from :func:`parallel_lib.planner.search.plan_layouts` for the same model, GPUs, memory and batch.
-Models are GPT-shaped (12h² parameters per block): Llama 3 405B's GQA attention and SwiGLU MLP
-(h = 16384, FFN 53248) hold 3.2 B parameters per block, as 12h² does, so the shape is close.
+The Llama models have their real shapes (:data:`LLAMA3`: SwiGLU MLP, grouped-query attention with
+8 key/value heads, RMSNorm, RoPE, an untied head; Llama Team 2024, table 3, and the released
+checkpoints' ``config.json``, whose vocabulary is 128,256 with the special tokens): 8.03 B, 70.55 B
+and 405.85 B parameters, as Hugging Face's model cards count them. Activations still use
+Korthikanti et al.'s GPT-block formula (34·s·b·h per block in 16 bits, without attention scores).
 
 Sources (numbers as the papers report them):
 - Llama Team, "The Llama 3 Herd of Models" (2024), table 4 and sec. 3.3.2: 405B (126 layers,
@@ -36,7 +39,18 @@ from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.planner.search import LayoutPlan, plan_layouts
 from parallel_lib.tensor_parallel.cost import GPTShape
 
-__all__ = ["PublishedRun", "RUNS", "Compared", "compare_run", "compare_all", "table"]
+__all__ = ["LLAMA3", "PublishedRun", "RUNS", "Compared", "compare_run", "compare_all", "table"]
+
+
+def _llama(n_layer: int, n_embd: int, n_head: int, ffn_hidden: int, context: int = 8192) -> GPTShape:
+    """A Llama 3 decoder: SwiGLU, 8 key/value heads, RMSNorm, RoPE, untied head, no biases, 128,256 tokens."""
+    return GPTShape(n_layer, n_embd, n_head, 128_256, context, ffn_hidden=ffn_hidden, kv_heads=8, gated_mlp=True,
+                    rms_norm=True, bias=False, learned_positions=False, tied_head=False)
+
+
+# Llama Team 2024, "The Llama 3 Herd of Models", table 3 (layers, model dimension, FFN dimension, heads, 8 KV heads)
+LLAMA3 = {"8B": _llama(32, 4096, 32, 14_336), "70B": _llama(80, 8192, 64, 28_672),
+          "405B": _llama(126, 16_384, 128, 53_248)}
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ class PublishedRun:
 
 
 RUNS = (
-    PublishedRun("Llama 3 405B", GPTShape(126, 16384, 128, 128256, 8192), "H100", 16384, 2048, 8192,
+    PublishedRun("Llama 3 405B", LLAMA3["405B"], "H100", 16384, 2048, 8192,
                  Layout(dp=128, tp=8, pp=16, zero=2, sequence_parallel=True, schedule="interleaved", virtual=2,
                         micro_batches=16, dtype="bf16"),
                  "Llama Team 2024, table 4 (TP 8, CP 1, PP 16, DP 128)"),
@@ -64,7 +78,7 @@ RUNS = (
                  Layout(dp=16, tp=8, pp=12, schedule="interleaved", virtual=2, micro_batches=96, recompute=True,
                         dtype="bf16"),
                  "Narayanan et al. 2021, sec. 5 / table 2 (model-parallel size 96 = TP 8 x PP 12)"),
-    PublishedRun("Llama-style 8B, Ultra-Scale Playbook setting", GPTShape(32, 4096, 32, 128256, 4096), "H100", 64,
+    PublishedRun("Llama 3 8B, Ultra-Scale Playbook setting", LLAMA3["8B"], "H100", 64,
                  256, 4096, None, "Hugging Face 2025, The Ultra-Scale Playbook (sequence 4096, ~1M tokens per batch)"),
 )
 

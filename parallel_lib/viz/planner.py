@@ -26,6 +26,7 @@ from parallel_lib.cost.units import GiB
 from parallel_lib.pipeline_parallel.simulator import simulate
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Priced, StepCost
+from parallel_lib.planner.published import LLAMA3
 from parallel_lib.planner.search import Candidate, LayoutPlan, plan_layouts
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.viz.timeline import plot_timeline
@@ -34,13 +35,13 @@ from parallel_lib.viz.widgets import figure_panel
 __all__ = ["MODELS", "memory_bars", "predicted_events", "predicted_timeline", "measured_vs_predicted",
            "published_plan", "planner_figure", "planner_widget"]
 
-# GPT-shaped models (12h² per block) the widget offers: GPT-2 XL's published shape, and the shapes
-# parallel_lib.planner.published uses for Llama 3 8B and 405B and GPT-3 175B (sources named there)
+# The models the widget offers: GPT-2 XL's and GPT-3 175B's published shapes (12h² per block), and
+# Llama 3 8B and 405B as parallel_lib.planner.published shapes them (SwiGLU, GQA, untied head; sources there)
 MODELS: dict[str, tuple[GPTShape, int]] = {   # name -> (shape, sequence length)
     "GPT-2 XL 1.5B": (GPTShape(48, 1600, 25, 50257, 1024), 1024),
-    "Llama-style 8B": (GPTShape(32, 4096, 32, 128256, 4096), 4096),
+    "Llama 3 8B": (LLAMA3["8B"], 4096),
     "GPT-3 175B": (GPTShape(96, 12288, 96, 51200, 2048), 2048),
-    "Llama 3 405B": (GPTShape(126, 16384, 128, 128256, 8192), 8192),
+    "Llama 3 405B": (LLAMA3["405B"], 8192),
 }
 
 
@@ -132,7 +133,7 @@ def published_plan(model: str, gpu: str, devices: int, global_batch: int) -> Lay
                         schedules=("1f1b", "interleaved"), zero_stages=(0, 1, 3), max_pp=16)
 
 
-def planner_figure(model: str = "Llama-style 8B", gpu: str = "H100", devices: int = 64, global_batch: int = 256,
+def planner_figure(model: str = "Llama 3 8B", gpu: str = "H100", devices: int = 64, global_batch: int = 256,
                    top: int = 6, misfits: int = 4) -> Figure:
     """The widget's picture: memory bars of the ``top`` fastest layouts and ``misfits`` that do not fit, each
     fitting one's predicted step time, and the fastest layout's predicted timeline (published peaks)."""
@@ -162,7 +163,7 @@ def planner_widget() -> Any:
     import ipywidgets as widgets
 
     controls = dict(
-        model=widgets.Dropdown(options=list(MODELS), value="Llama-style 8B", description="model"),
+        model=widgets.Dropdown(options=list(MODELS), value="Llama 3 8B", description="model"),
         gpu=widgets.Dropdown(options=sorted(GPUS), value="H100", description="GPU"),
         devices=widgets.Dropdown(options=[8, 16, 32, 64, 128, 256], value=64, description="devices"),
         global_batch=widgets.Dropdown(options=[64, 256, 1024], value=256, description="batch (seq.)"))
