@@ -15,6 +15,7 @@ from parallel_lib.cost.units import GB, GiB, KiB, MiB
 from parallel_lib.cost.zero import (
     BYTES_PER_PARAM,
     deepspeed_estimate,
+    fsdp_shard_numel,
     megatron_bytes_per_param,
     zero_collectives,
     zero_memory,
@@ -25,4 +26,5 @@ from parallel_lib.cost.zero import (
 )
 
 __all__ = ["KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic", "zero_collectives", "zero_paper_table",
-           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate"]
+           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate",
+           "fsdp_shard_numel"]

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 from parallel_lib.common.checks import check_choice, check_number, positive_int
 
 __all__ = ["BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic", "zero_collectives", "zero_paper_table",
-           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate"]
+           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate", "fsdp_shard_numel"]
 
 # precision -> (parameter, gradient, optimizer state) bytes per parameter, with Adam(W)
 BYTES_PER_PARAM = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
@@ -204,3 +204,26 @@ def deepspeed_estimate(num_params: float, world_size: int, stage: int, largest_l
     check_choice("stage", stage, (2, 3))
     largest = check_number("largest_layer_params", largest_layer_params, 0.0)
     return (2 * psi if stage == 2 else 4 * largest) + 18 * psi / n
+
+
+def fsdp_shard_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
+    """Elements of one rank's FSDP2 shards, padding included: ``Σ ceil(d0 / N) · (the other dimensions)``.
+
+    PyTorch's ``fully_shard`` splits every parameter along its first dimension into ``N`` chunks of
+    ``ceil(d0 / N)`` rows and pads the last ones to that size (its all-gather needs equal chunks), so a
+    rank holds more than ``Ψ / N``: at 1,024 ranks a 1,600-wide LayerNorm weight costs 2 elements per
+    rank, not 1.56, and GPT-2 XL's shard is 1.22 × ``Ψ / N``. Rank 0's ``to_local()`` is this size.
+
+    Raises:
+        ValueError: ``world_size < 1`` or a shape with a dimension below 1.
+    """
+    n = positive_int("world_size", world_size)
+    total = 0
+    for i, shape in enumerate(shapes):
+        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+            raise ValueError(f"shapes[{i}] must be positive ints, got {tuple(shape)!r}")
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        total += -(-shape[0] // n) * rest
+    return total

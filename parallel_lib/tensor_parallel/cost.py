@@ -84,6 +84,22 @@ class GPTShape:
         row_biases = 2 * h if self.bias else 0
         return (self.matmul_parameters() + column_biases) // tp + row_biases + 2 * norm * h
 
+    def parameter_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter tensor's shape as Hugging Face's classes hold it (one process, the tied head once).
+
+        GPT-2 (biases, LayerNorm) in ``GPT2LMHeadModel``'s order with its ``Conv1D`` weights stored
+        (in, out); a Llama shape in ``LlamaForCausalLM``'s, ``nn.Linear`` weights stored (out, in).
+        FSDP2 shards each tensor along its first dimension: :func:`parallel_lib.cost.zero.fsdp_shard_numel`.
+        """
+        h, f, kv, V = self.n_embd, self.ffn, self.kv_dim, self.vocab_size
+        if self.bias and not self.rms_norm:  # GPT-2
+            block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,)]
+            out = [(V, h)] + ([(self.n_positions, h)] if self.learned_positions else [])
+            return out + block * self.n_layer + [(h,), (h,)] + ([] if self.tied_head else [(V, h)])
+        block = [(h, h), (kv, h), (kv, h), (h, h)] + ([(f, h), (f, h)] if self.gated_mlp else [(f, h)]) + \
+            [(h, f), (h,), (h,)]
+        return [(V, h)] + block * self.n_layer + [(h,)] + ([] if self.tied_head else [(V, h)])
+
     def outer_parameters(self, tp: int = 1) -> dict[str, int]:
         """What is outside the blocks on a tensor-parallel rank: embedding (+ positions), head, final norm."""
         h = self.n_embd
