@@ -102,7 +102,9 @@ def _why(theirs: Priced, ours: Priced) -> str:
         reasons.append(f"fewer pipeline stages ({b.pp} vs {a.pp}) because its bubble and hops cost more than the "
                        "extra data-parallel all-reduce it prices at the published link speeds")
     if b.pp > a.pp:
-        reasons.append(f"more pipeline stages ({b.pp} vs {a.pp}) to fit memory without recomputing")
+        reasons.append(f"more pipeline stages ({b.pp} vs {a.pp}), fewer blocks per GPU, so that "
+                       + (f"ZeRO-{b.zero} fits beside the activations" if b.zero < a.zero else
+                          "it fits without recomputing"))
     if b.tp != a.tp:
         reasons.append(f"TP {b.tp} instead of {a.tp}")
     if b.zero > a.zero:
