@@ -69,7 +69,7 @@ def memory_bars(candidates: Sequence[Candidate], memory_per_device: float, ax: O
         ax.barh(y, acts, left=state + working, color="#DD8452", hatch=hatch, edgecolor="white",
                 label="activations" if y == 0 else None)
     ax.axvline(memory_per_device / GiB, color="red", ls="--", lw=1,
-               label=f"memory per device {memory_per_device / GiB:.0f} GiB")
+               label=f"memory per device {memory_per_device / GiB:.4g} GiB")
     ax.set_yticks(range(len(candidates)), [c.layout.name for c in candidates], fontsize=7)
     ax.invert_yaxis()
     ax.set(xlabel="GiB on the busiest rank (hatched: does not fit)", title=title)
