@@ -25,6 +25,6 @@ from parallel_lib.cost.zero import (
     zero_traffic,
 )
 
-__all__ = ["KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic", "zero_collectives", "zero_paper_table",
-           "megatron_bytes_per_param", "zero3_working_set", "deepspeed_estimate",
-           "fsdp_shard_numel"]
+__all__ = ["KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic",
+           "zero_collectives", "zero_paper_table", "megatron_bytes_per_param", "zero3_working_set",
+           "deepspeed_estimate", "fsdp_shard_numel"]

@@ -90,10 +90,11 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
             break
     sent = zero_traffic(shape.n_params, replicas, stage, precision, micro_batches=rows)
     passes = zero_passes(stage, rows)
+    per_sequence = {2: " (a reduce-scatter of the gradients per sequence)",
+                    3: " (the parameters gathered twice and the gradients reduce-scattered per sequence)"}
     reasons.append(f"{rows} sequence(s) per rank, one at a time (gradient accumulation): stage {stage} sends "
                    f"{sent / 1e9:.3f} GB per GPU per step, {passes / 2:g}x data parallelism"
-                   + ("" if stage < 2 or rows == 1 else
-                      f" ({'a reduce-scatter of the gradients per sequence' if stage == 2 else 'the parameters gathered twice and the gradients reduce-scattered per sequence'})"))
+                   + (per_sequence.get(stage, "") if rows > 1 else ""))
     return Option(f"ZeRO-{stage}" if fits else "ZeRO", replicas, 1, rows, state, acts, 0.0, sent, 0.0,
                   sent / bandwidth, fits, tuple(reasons), recomputed)
 
