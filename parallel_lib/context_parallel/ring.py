@@ -35,7 +35,6 @@ idle and the zig-zag split does not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
@@ -45,6 +44,7 @@ from parallel_lib.common.checks import check_choice, positive_int, positive_numb
 from parallel_lib.context_parallel.layout import LAYOUTS, shard_positions
 from parallel_lib.context_parallel.tiled import TileWork, check_qkv, tiled_backward, tiled_forward
 from parallel_lib.runtime.mesh import RankMesh
+from parallel_lib.runtime.waiting import wait_for
 
 __all__ = ["RingEvent", "cp_group_of", "merge_partials", "ring_attention", "timed_wait"]
 
@@ -103,19 +103,14 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 
 def timed_wait(works: Sequence[Any], timeout: float, what: str) -> None:
-    """Wait for each of ``works`` (each once: gloo hangs on a second wait) at most ``timeout`` seconds.
+    """Wait for each of ``works`` (each once: gloo hangs on a second wait) at most ``timeout`` seconds each.
 
     Raises:
         TimeoutError: nothing came in time; the message says ``what`` waited (name the rank in it).
         RuntimeError: the peer failed first.
     """
     for work in works:
-        try:
-            work.wait(timeout=timedelta(seconds=timeout))
-        except RuntimeError as error:
-            if "imeout" in str(error) or "imed out" in str(error):
-                raise TimeoutError(f"{what}: nothing within timeout={timeout:g} s ({error})") from error
-            raise RuntimeError(f"{what}: the exchange failed ({error})") from error
+        wait_for(work, timeout, what)
 
 
 class _Ring:
