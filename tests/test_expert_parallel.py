@@ -1,0 +1,133 @@
+"""Chapter 12's mixture-of-experts layer in one process: routing, capacity and the balancing loss against
+hand-computed literals, the dense MLP as its special case, the balancing loss at work, the traffic formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallel_lib.expert_parallel import (Expert, MoE, MoEConfig, aux_loss_of, ep_traffic, expert_capacity, imbalance,
+                                          keep_within_capacity, load_balancing_loss, rows_leaving, tokens_per_expert,
+                                          tokens_per_rank, top_k_route)
+from parallel_lib.models import build_model
+
+
+def test_top_k_of_a_softmax_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0), -1e9], [2.0, 2.0, 0.0]])
+    r = top_k_route(logits, 1)
+    torch.testing.assert_close(r.probs[0], torch.tensor([0.25, 0.75, 0.0]))
+    assert r.experts.tolist() == [[1], [0]]  # the tie goes to the lower index
+    torch.testing.assert_close(r.weights[:, 0], torch.tensor([0.75, math.exp(2) / (2 * math.exp(2) + 1)]))
+    r2 = top_k_route(logits, 2, normalize=True)
+    assert r2.experts.tolist() == [[1, 0], [0, 1]]
+    torch.testing.assert_close(r2.weights, torch.tensor([[0.75, 0.25], [0.5, 0.5]]))
+
+
+def test_capacity_keeps_first_choices_first():
+    assert expert_capacity(4, 3, 2, 1.0) == 3          # ceil(8 / 3)
+    assert expert_capacity(4, 3, 2, 0.75) == 2         # ceil(2.0): no rounding up past an exact integer
+    assert expert_capacity(8, 4, 2, 1.25) == 5
+    assert expert_capacity(8, 4, 2, None) is None
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    # first choices in token order (0, 0, 0, 1), then second choices (1, 2, 1, 0): expert 0's 4th is dropped
+    assert keep_within_capacity(experts, 3, 3).tolist() == [[True, True], [True, True], [True, True], [True, False]]
+    # two slots: token 2's first choice is expert 0's third; its second, expert 1's third
+    assert keep_within_capacity(experts, 3, 2).tolist() == [[True, True], [True, True], [False, False], [True, False]]
+    assert keep_within_capacity(experts, 3, None).all()
+
+
+def test_balancing_loss_by_hand():
+    probs = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    # f = (1, 0) (both tokens chose expert 0), P = (0.625, 0.375): 2 · (1 · 0.625 + 0 · 0.375)
+    assert float(load_balancing_loss(probs, torch.tensor([[0], [0]]))) == pytest.approx(1.25)
+    # f = (1/2, 1/2): 2 · (0.5 · 0.625 + 0.5 · 0.375) = 1, the loss of perfect balance
+    assert float(load_balancing_loss(probs, torch.tensor([[0], [1]]))) == pytest.approx(1.0)
+    uniform = torch.full((6, 3), 1 / 3)
+    assert float(load_balancing_loss(uniform, torch.tensor([[0, 1], [1, 2], [2, 0]] * 2))) == pytest.approx(1.0)
+    assert tokens_per_expert(torch.tensor([[0, 1], [1, 2]]), 4).tolist() == [1, 2, 1, 0]
+    assert tokens_per_rank(torch.tensor([1, 2, 1, 0]), 2).tolist() == [3, 1]
+    assert imbalance(torch.tensor([3, 1])) == 1.5
+
+
+def test_one_expert_top_1_no_capacity_is_the_dense_mlp_exactly():
+    model = build_model("tiny", 64, seed=3)
+    mlp = model.transformer.h[0].mlp
+    moe = MoE(64, 256, MoEConfig(n_experts=1, top_k=1))
+    moe.experts[0] = Expert.from_mlp(mlp)
+    x = torch.randn(2, 5, 64)
+    assert torch.equal(moe(x), mlp(x))
+
+
+def test_the_layer_sums_each_kept_choice_weighted_and_the_shared_expert():
+    config = MoEConfig(n_experts=4, top_k=2, capacity_factor=0.5, shared_expert=True, normalize=True)
+    moe = MoE(8, 16, config, token_groups=2, seed=1)
+    x = torch.randn(3, 4, 8)
+    y = moe(x)
+    record = moe.last
+    assert record.capacity == 2 and record.dropped > 0  # ceil(0.5 · 6 · 2 / 4)
+    flat = x.reshape(-1, 8)
+    for t in range(12):  # token by token, the sum the module docstring states
+        expected = moe.shared_expert(flat[t])
+        for j in range(2):
+            if record.kept[t, j]:
+                expected = expected + record.weights[t, j] * moe.experts[int(record.experts[t, j])](flat[t])
+        torch.testing.assert_close(y.reshape(-1, 8)[t], expected, rtol=0, atol=1e-6)
+    # capacity per group of 6 tokens: no expert keeps more than 2 choices of a group
+    for half in (slice(0, 6), slice(6, 12)):
+        assert tokens_per_expert(record.experts[half], 4, record.kept[half]).max() <= 2
+    assert torch.equal(aux_loss_of(torch.nn.Sequential(moe)).detach(), record.aux_loss.detach())
+
+
+def test_the_balancing_loss_spreads_a_skewed_router():
+    """A router that sends 63 of 64 tokens to expert 0, trained on the balancing loss alone: counts over steps."""
+    moe = MoE(16, 32, MoEConfig(n_experts=4, top_k=1), seed=0)
+    with torch.no_grad():
+        moe.router.gate.weight[0] += 0.3  # tokens lean towards +0.5 everywhere: expert 0 scores highest
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)) + 0.5
+    optimizer = torch.optim.SGD(moe.router.parameters(), lr=0.03)
+    counts, losses = [], []
+    for _ in range(30):
+        optimizer.zero_grad()
+        moe(x)
+        counts.append(moe.last.tokens_per_expert)
+        losses.append(float(moe.aux_loss.detach()))
+        moe.aux_loss.backward()
+        optimizer.step()
+    assert counts[0].tolist() == [63, 0, 0, 1] and losses[0] > 2.9
+    assert [imbalance(c) for c in counts[-3:]] == pytest.approx([1.2] * 3, abs=0.3)
+    assert losses[-1] == pytest.approx(1.0, abs=0.02)  # 1 is perfect balance
+
+
+def test_traffic_formula_by_hand():
+    t = ep_traffic(tokens=8, top_k=2, hidden=16, n_experts=4, ep=2)
+    assert (t.calls_forward, t.calls_backward) == (3, 2)
+    assert t.row_bytes == 8 * 2 * 16 * 4 == 1024 and t.count_bytes == 32
+    assert t.message_bytes == 4 * 1024 + 32 and t.wire_bytes == (4 * 1024 + 32) / 2
+    assert ep_traffic(8, 2, 16, 4, 4, dtype_bytes=2).wire_bytes == (4 * 512 + 32) * 3 / 4
+    experts, kept = torch.tensor([[0, 3], [1, 2]]), torch.tensor([[True, True], [True, False]])
+    assert rows_leaving(experts, kept, 4, 2, 0) == 1 and rows_leaving(experts, kept, 4, 2, 1) == 2
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="top_k must be an int in 1..4"):
+        MoEConfig(n_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        MoEConfig(capacity_factor=0.0)
+    with pytest.raises(TypeError, match="shared_expert must be a bool"):
+        MoEConfig(shared_expert=1)
+    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+        MoE(8, 16, {"n_experts": 4})
+    with pytest.raises(ValueError, match="token_groups=3 must divide the 8 tokens"):
+        MoE(8, 16, MoEConfig(), token_groups=3)(torch.randn(8, 8))
+    with pytest.raises(RuntimeError, match="run the layer first"):
+        MoE(8, 16, MoEConfig()).aux_loss
+    with pytest.raises(ValueError, match="no mixture-of-experts layer"):
+        aux_loss_of(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="mlp must be the one GPT-2's MLP"):
+        Expert.from_mlp(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="ep=3 must divide the number of experts"):
+        tokens_per_rank(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="logits must be"):
+        top_k_route(torch.zeros(3), 1)
