@@ -131,3 +131,20 @@ def test_bad_input_is_refused_naming_the_argument():
         tokens_per_rank(torch.zeros(4), 3)
     with pytest.raises(ValueError, match="logits must be"):
         top_k_route(torch.zeros(3), 1)
+
+
+def test_moe_gpt2_swaps_every_mlp_and_refuses_twice():
+    from parallel_lib.expert_parallel import moe_gpt2, parallelize_ep
+
+    model = moe_gpt2(build_model("tiny", 64), MoEConfig(n_experts=2, top_k=1))
+    assert all(isinstance(b.mlp, MoE) for b in model.transformer.h)
+    logits = model(torch.randint(0, 64, (2, 6)))
+    assert logits.shape == (2, 6, 64) and aux_loss_of(model).shape == ()
+    with pytest.raises(ValueError, match="block 0's mlp is already a MoE"):
+        moe_gpt2(model, MoEConfig())
+    with pytest.raises(ValueError, match="block 0's mlp is a MLP, not a MoE: call moe_gpt2"):
+        parallelize_ep(build_model("tiny", 64), None)
+    with pytest.raises(TypeError, match="model must be the one GPT2"):
+        parallelize_ep(torch.nn.Linear(2, 2), None)
+    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+        moe_gpt2(build_model("tiny", 64), {"n_experts": 2})

@@ -14,12 +14,13 @@ CASES = [
     dict(n_experts=4, top_k=2, capacity_factor=1.0, shared_expert=True),            # drops, DeepSeekMoE's shared
     dict(n_experts=8, top_k=2, capacity_factor=0.5, normalize=True),                # many drops, Mixtral weights
 ]
+GPT2_CASES = [dict(n_experts=4, top_k=1), dict(n_experts=4, top_k=2, capacity_factor=1.0, shared_expert=True)]
 TOKENS = 16  # per rank (verify.ep_matches_one_process's default)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ranks(request):
-    return request.param, launch(ep_checks, request.param, CASES, backend="gloo", timeout=180)
+    return request.param, launch(ep_checks, request.param, CASES, GPT2_CASES, backend="gloo", timeout=180)
 
 
 def test_outputs_gradients_and_adamw_steps_equal_one_process(ranks):
@@ -37,6 +38,20 @@ def test_outputs_gradients_and_adamw_steps_equal_one_process(ranks):
         assert sum(c["my_aux_loss"] for c in cases) / ep == pytest.approx(cases[0]["aux_loss"], rel=1e-6)
         dropped = sum(c["dropped"] for c in cases)
         assert (dropped > 0) == ("capacity_factor" in config), (ep, config, dropped)
+
+
+def test_parallelize_ep_gpt2_equals_the_one_process_moe_gpt2(ranks):
+    ep, results = ranks
+    for n, config in enumerate(GPT2_CASES):
+        for rank, r in enumerate(results):
+            g, where = r["gpt2"][n], f"ep={ep} rank {rank} {config}"
+            assert g["logits"] < 1e-5, where
+            assert len(g["grads"]) > 50 and max(g["grads"].values()) < 1e-6, (where, g["grads"])
+            # AdamW turns gradient differences of ~1e-8 into updates of up to lr on near-zero gradients
+            assert g["after_steps"] < 3e-5, where
+        for step, reference in enumerate(results[0]["gpt2"][n]["reference_losses"]):
+            assert sum(r["gpt2"][n]["losses"][step] for r in results) / ep == pytest.approx(reference, rel=1e-6)
+        assert (sum(r["gpt2"][n]["dropped"] for r in results) > 0) == ("capacity_factor" in config)
 
 
 def test_all_to_all_bytes_equal_the_formula(ranks):

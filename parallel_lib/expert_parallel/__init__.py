@@ -8,6 +8,7 @@
 - :mod:`.uneven_all_to_all`: the counts exchange and the differentiable all-to-all with uneven splits;
 - :mod:`.expert_parallel_moe`: the layer with its experts spread over the mesh's ``ep`` axis;
 - :mod:`.traffic`: the bytes its all-to-alls move;
+- :mod:`.parallelize`: the one GPT-2 with mixture MLPs, and its experts spread over ``ep``;
 - :mod:`.verify`: checks that run on ranks, against the one-process layer.
 """
 
@@ -17,10 +18,12 @@ from parallel_lib.expert_parallel.capacity import expert_capacity, keep_within_c
 from parallel_lib.expert_parallel.expert import Expert
 from parallel_lib.expert_parallel.expert_parallel_moe import ExpertParallelMoE, expert_parameters, sync_ep_grads
 from parallel_lib.expert_parallel.moe import MoE, MoEConfig, RoutingRecord, aux_loss_of, route_tokens
+from parallel_lib.expert_parallel.parallelize import ep_group_of, moe_gpt2, parallelize_ep
 from parallel_lib.expert_parallel.router import Router, Routing, top_k_route
 from parallel_lib.expert_parallel.traffic import EPTraffic, ep_traffic, rows_leaving
 
 __all__ = ["Routing", "Router", "top_k_route", "expert_capacity", "keep_within_capacity", "load_balancing_loss",
            "tokens_per_expert", "tokens_per_rank", "imbalance", "Expert", "MoEConfig", "RoutingRecord", "MoE",
            "route_tokens", "aux_loss_of", "exchange_counts", "all_to_all", "AllToAll", "ExpertParallelMoE",
-           "sync_ep_grads", "expert_parameters", "EPTraffic", "ep_traffic", "rows_leaving"]
+           "sync_ep_grads", "expert_parameters", "EPTraffic", "ep_traffic", "rows_leaving", "moe_gpt2",
+           "parallelize_ep", "ep_group_of"]

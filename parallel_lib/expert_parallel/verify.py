@@ -22,7 +22,7 @@ from parallel_lib.expert_parallel.traffic import rows_leaving
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.mesh import Mesh
 
-__all__ = ["ep_matches_one_process", "ep_traffic_counted", "balanced_router", "ep_refusals", "ep_checks"]
+__all__ = ["global_parameters", "gpt2_ep_check", "ep_matches_one_process", "ep_traffic_counted", "balanced_router", "ep_refusals", "ep_checks"]
 
 HIDDEN, INNER = 16, 32
 
@@ -32,27 +32,27 @@ def _layers(config: MoEConfig, ep: int, group: Any, seed: int) -> tuple[MoE, Exp
     return reference, ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=seed), group)
 
 
-def _grad_differences(reference: MoE, layer: ExpertParallelMoE) -> dict[str, float]:
-    """Largest gradient difference of every parameter this rank holds, by the one-process layer's name."""
-    ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in reference.named_parameters()}
-    out = {}
-    for name, p in layer.named_parameters():
-        if name.startswith("experts."):
-            i, rest = name.split(".", 2)[1:]
-            name = f"experts.{layer.first_expert + int(i)}.{rest}"
-        out[name] = max_abs_difference(p.grad, ref[name])
-    return out
+def global_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``model``'s parameters by their name in the one-process model: this rank's experts by their global index."""
+    names = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, ExpertParallelMoE):
+            for j, expert in enumerate(m.experts):
+                for n, p in expert.named_parameters():
+                    names[id(p)] = f"{prefix + '.' if prefix else ''}experts.{m.first_expert + j}.{n}"
+    return {names.get(id(p), n): p for n, p in model.named_parameters()}
 
 
-def _state_difference(reference: MoE, layer: ExpertParallelMoE) -> float:
+def _grad_differences(reference: nn.Module, model: nn.Module) -> dict[str, float]:
+    """Largest gradient difference of every parameter this rank holds, by the one-process model's name."""
     ref = dict(reference.named_parameters())
-    worst = 0.0
-    for name, p in layer.named_parameters():
-        if name.startswith("experts."):
-            i, rest = name.split(".", 2)[1:]
-            name = f"experts.{layer.first_expert + int(i)}.{rest}"
-        worst = max(worst, max_abs_difference(p.detach(), ref[name].detach()))
-    return worst
+    return {n: max_abs_difference(p.grad, ref[n].grad if ref[n].grad is not None else torch.zeros_like(p))
+            for n, p in global_parameters(model).items()}
+
+
+def _state_difference(reference: nn.Module, model: nn.Module) -> float:
+    ref = dict(reference.named_parameters())
+    return max(max_abs_difference(p.detach(), ref[n].detach()) for n, p in global_parameters(model).items())
 
 
 def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps: int = 3, tokens: int = 16,
@@ -184,10 +184,66 @@ def ep_refusals(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
-def ep_checks(rank: int, world_size: int, cases: list[dict], steps: int = 3) -> dict[str, Any]:
-    """Every check of one launch: :func:`ep_matches_one_process`, :func:`ep_traffic_counted` balanced and with
-    drops, and :func:`ep_refusals` last (its timed-out exchange leaves the group unusable)."""
+def ep_checks(rank: int, world_size: int, cases: list[dict], gpt2_cases: list[dict] = (),
+              steps: int = 3) -> dict[str, Any]:
+    """Every check of one launch: :func:`ep_matches_one_process`, :func:`gpt2_ep_check` of each of
+    ``gpt2_cases``, :func:`ep_traffic_counted` balanced and with drops, and :func:`ep_refusals` last (its
+    timed-out exchange leaves the group unusable)."""
     return dict(cases=ep_matches_one_process(rank, world_size, cases, steps),
+                gpt2=[gpt2_ep_check(rank, world_size, fields) for fields in gpt2_cases],
                 traffic=ep_traffic_counted(rank, world_size, n_experts=2 * world_size),
                 traffic_dropped=ep_traffic_counted(rank, world_size, n_experts=2 * world_size, capacity_factor=1.0),
                 refusals=ep_refusals(rank, world_size))
+
+
+def gpt2_ep_check(rank: int, world_size: int, fields: dict, steps: int = 2, rows: int = 2, seq: int = 8,
+                  aux_coef: float = 0.01, vocab: int = 64) -> dict[str, Any]:
+    """The one GPT-2 with mixture MLPs spread over all ranks (:func:`~.parallelize.parallelize_ep`) against
+    the same model in one process (``token_groups = ep``), each rank holding ``rows`` rows of the batch.
+
+    Each rank's loss is its rows' cross-entropy plus ``aux_coef`` times its balancing losses; the
+    reference's is the mean over ranks of the same.
+
+    Returns:
+        Largest differences of this rank's ``logits``, every parameter's gradient (``grads``), the
+        parameters after ``steps`` AdamW steps (``after_steps``); the ``losses`` of both per step;
+        ``dropped`` choices on this rank in the first step.
+    """
+    from parallel_lib.expert_parallel.expert_parallel_moe import sync_ep_grads as sync
+    from parallel_lib.expert_parallel.moe import aux_loss_of
+    from parallel_lib.expert_parallel.parallelize import moe_gpt2, parallelize_ep
+    from parallel_lib.models.gpt2 import build_model
+
+    config = MoEConfig(**fields)
+    mine = slice(rank * rows, (rank + 1) * rows)
+    with Mesh(ep=world_size).build(timeout=60.0) as pm:
+        reference = moe_gpt2(build_model("tiny", vocab, seed=1), config, token_groups=world_size, seed=5)
+        model = parallelize_ep(moe_gpt2(build_model("tiny", vocab, seed=1), config, seed=5), pm)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(11)
+        out: dict[str, Any] = dict(losses=[], reference_losses=[])
+        for step in range(steps):
+            ids = torch.randint(0, vocab, (world_size * rows, seq + 1), generator=data)
+            inputs, labels = ids[:, :-1], ids[:, 1:]
+            for o in (ref_opt, opt):
+                o.zero_grad(set_to_none=True)
+            ref_logits = reference(inputs)
+            ref_loss = torch.stack([reference.loss(ref_logits[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows])
+                                    for r in range(world_size)]).mean() + aux_coef * aux_loss_of(reference)
+            ref_loss.backward()
+            logits = model(inputs[mine])
+            loss = model.loss(logits, labels[mine]) + aux_coef * aux_loss_of(model)
+            loss.backward()
+            sync(model, pm.group("ep"))
+            if step == 0:
+                out.update(logits=max_abs_difference(logits, ref_logits[mine]), grads=_grad_differences(reference, model),
+                           dropped=sum(m.last.dropped for m in model.modules() if isinstance(m, ExpertParallelMoE)))
+            for p in reference.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            ref_opt.step(), opt.step()
+            out["losses"].append(float(loss.detach()))
+            out["reference_losses"].append(float(ref_loss.detach()))
+        out["after_steps"] = _state_difference(reference, model)
+        return out
