@@ -51,13 +51,14 @@ def test_balancing_loss_by_hand():
     assert imbalance(torch.tensor([3, 1])) == 1.5
 
 
-def test_one_expert_top_1_no_capacity_is_the_dense_mlp_exactly():
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])  # no limit, or capacity = every token
+def test_one_expert_top_1_no_drops_is_the_dense_mlp_exactly(capacity_factor):
     model = build_model("tiny", 64, seed=3)
     mlp = model.transformer.h[0].mlp
-    moe = MoE(64, 256, MoEConfig(n_experts=1, top_k=1))
+    moe = MoE(64, 256, MoEConfig(n_experts=1, top_k=1, capacity_factor=capacity_factor))
     moe.experts[0] = Expert.from_mlp(mlp)
     x = torch.randn(2, 5, 64)
-    assert torch.equal(moe(x), mlp(x))
+    assert torch.equal(moe(x), mlp(x)) and moe.last.dropped == 0
 
 
 def test_the_layer_sums_each_kept_choice_weighted_and_the_shared_expert():
@@ -148,3 +149,32 @@ def test_moe_gpt2_swaps_every_mlp_and_refuses_twice():
         parallelize_ep(torch.nn.Linear(2, 2), None)
     with pytest.raises(TypeError, match="config must be a MoEConfig"):
         moe_gpt2(build_model("tiny", 64), {"n_experts": 2})
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0]])  # an idle expert; no rows at all
+def test_one_grouped_multiply_equals_the_loop_over_experts(counts):
+    from parallel_lib.expert_parallel import run_experts
+
+    experts = MoE(8, 16, MoEConfig(n_experts=4), seed=2).experts
+    with torch.no_grad():
+        for e in experts:
+            e.c_fc.bias.normal_()
+    expert_of_row = torch.arange(4).repeat_interleave(torch.tensor(counts))
+    expert_of_row = expert_of_row[torch.randperm(len(expert_of_row))]
+    rows = torch.randn(len(expert_of_row), 8, requires_grad=True)
+    results = {}
+    for how in ("loop", "grouped"):
+        experts.zero_grad(set_to_none=True)
+        rows.grad = None
+        out = run_experts(experts, rows, expert_of_row, how)
+        out.pow(2).sum().backward()  # backward even with no rows: the experts' weights are in the graph
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in experts.parameters()]
+        results[how] = out.detach(), torch.zeros_like(rows) if rows.grad is None else rows.grad.clone(), grads
+    for expected, got in zip(results["loop"][:2], results["grouped"][:2]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    for expected, got in zip(results["loop"][2], results["grouped"][2]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    if len(expert_of_row):  # and the loop is what it says: row 0 through its expert
+        torch.testing.assert_close(results["loop"][0][0], experts[int(expert_of_row[0])](rows[0]).detach())
+    with pytest.raises(ValueError, match="how must be one of"):
+        run_experts(experts, rows, expert_of_row, "fused")

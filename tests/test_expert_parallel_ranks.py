@@ -12,7 +12,8 @@ from parallel_lib.runtime import launch
 CASES = [
     dict(n_experts=4, top_k=1),                                                     # Switch: nothing dropped
     dict(n_experts=4, top_k=2, capacity_factor=1.0, shared_expert=True),            # drops, DeepSeekMoE's shared
-    dict(n_experts=8, top_k=2, capacity_factor=0.5, normalize=True),                # many drops, Mixtral weights
+    dict(n_experts=8, top_k=2, capacity_factor=0.5, normalize=True,                 # many drops, Mixtral weights,
+         expert_compute="grouped"),                                                 # one batched multiply
 ]
 GPT2_CASES = [dict(n_experts=4, top_k=1), dict(n_experts=4, top_k=2, capacity_factor=1.0, shared_expert=True)]
 TOKENS = 16  # per rank (verify.ep_matches_one_process's default)
@@ -52,6 +53,13 @@ def test_parallelize_ep_gpt2_equals_the_one_process_moe_gpt2(ranks):
         for step, reference in enumerate(results[0]["gpt2"][n]["reference_losses"]):
             assert sum(r["gpt2"][n]["losses"][step] for r in results) / ep == pytest.approx(reference, rel=1e-6)
         assert (sum(r["gpt2"][n]["dropped"] for r in results) > 0) == ("capacity_factor" in config)
+
+
+def test_a_rank_that_receives_no_rows_still_meets_every_all_to_all(ranks):
+    ep, results = ranks
+    assert [r["idle"]["received"] for r in results] == [8 * ep] + [0] * (ep - 1)  # every token to expert 0
+    assert results[0]["idle"]["expert_grad"] > 0 and all(r["idle"]["expert_grad"] == 0 for r in results[1:])
+    assert all(r["idle"]["router_grad"] for r in results)
 
 
 def test_all_to_all_bytes_equal_the_formula(ranks):

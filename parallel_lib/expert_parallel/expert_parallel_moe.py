@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_lib.common.checks import positive_number
+from parallel_lib.common.checks import check_choice, positive_number
+from parallel_lib.expert_parallel.expert_compute import EXPERT_COMPUTE, run_experts
 from parallel_lib.expert_parallel.uneven_all_to_all import _wait, all_to_all, exchange_counts
 from parallel_lib.expert_parallel.moe import MoE, RoutingRecord, route_tokens
 
@@ -41,14 +42,16 @@ class ExpertParallelMoE(nn.Module):
         moe: the whole layer, built the same on every rank (same seed); it is taken apart, not copied.
         group: the expert-parallel process group (``mesh.group("ep")``).
         timeout: seconds each all-to-all may wait.
+        expert_compute: "loop" (one multiply per expert) or "grouped" (one for all; :mod:`.expert_compute`).
 
     Raises:
         TypeError: ``moe`` is not a :class:`~.moe.MoE`.
-        ValueError: the group's size does not divide the number of experts.
+        ValueError: the group's size does not divide the number of experts; an unknown ``expert_compute``.
     """
 
-    def __init__(self, moe: MoE, group: Any, timeout: float = 60.0) -> None:
+    def __init__(self, moe: MoE, group: Any, timeout: float = 60.0, expert_compute: str = "loop") -> None:
         super().__init__()
+        self.expert_compute = check_choice("expert_compute", expert_compute, EXPERT_COMPUTE)
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a MoE (the one-process layer, same seed on every rank), got "
                             f"{type(moe).__name__}")
@@ -63,6 +66,7 @@ class ExpertParallelMoE(nn.Module):
         self.router, self.shared_expert, self.dropout = moe.router, moe.shared_expert, moe.dropout
         self.experts = nn.ModuleList(moe.experts[self.first_expert:self.first_expert + self.local])
         self.last: Optional[RoutingRecord] = None
+        self.received = 0  # rows this rank's experts computed in the last forward (its load)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -82,12 +86,10 @@ class ExpertParallelMoE(nn.Module):
         send = counts.reshape(self.ep, self.local).sum(1).tolist()
         receive = incoming.sum(1).tolist()
         rows = all_to_all(flat[token], send, receive, self.group, self.timeout)         # [4] by source, expert
-        expert_of_row = torch.arange(self.local).repeat(self.ep).repeat_interleave(incoming.reshape(-1))
-        done = torch.zeros_like(rows)
-        for i, expert in enumerate(self.experts):                                       # [5]
-            mine = torch.nonzero(expert_of_row == i, as_tuple=True)[0]
-            if mine.numel():
-                done = done.index_add(0, mine, expert(rows[mine]))
+        self.received = rows.shape[0]
+        expert_of_row = torch.arange(self.local, device=rows.device).repeat(self.ep).repeat_interleave(
+            incoming.reshape(-1))
+        done = run_experts(self.experts, rows, expert_of_row, self.expert_compute)      # [5]
         back = all_to_all(done, receive, send, self.group, self.timeout)                # [6] my rows again
         weight = record.weights[token, slot, None].to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token, weight * back)                # [7]

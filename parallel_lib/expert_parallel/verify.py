@@ -9,7 +9,7 @@ the whole batch (every rank's tokens, ``token_groups = ep``), and compares its o
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -17,19 +17,26 @@ from torch import nn
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.expert_parallel.balance import tokens_per_expert
 from parallel_lib.expert_parallel.expert_parallel_moe import ExpertParallelMoE, sync_ep_grads
-from parallel_lib.expert_parallel.moe import MoE, MoEConfig
+from parallel_lib.expert_parallel.moe import MoE, MoEConfig, aux_loss_of
+from parallel_lib.expert_parallel.parallelize import moe_gpt2, parallelize_ep
 from parallel_lib.expert_parallel.traffic import rows_leaving
+from parallel_lib.expert_parallel.uneven_all_to_all import exchange_counts
+from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.mesh import Mesh
 
-__all__ = ["global_parameters", "gpt2_ep_check", "ep_matches_one_process", "ep_traffic_counted", "balanced_router", "ep_refusals", "ep_checks"]
+__all__ = ["global_parameters", "ep_matches_one_process", "gpt2_ep_check", "balanced_router", "ep_traffic_counted",
+           "ep_refusals", "ep_idle_rank", "ep_checks"]
 
 HIDDEN, INNER = 16, 32
 
 
-def _layers(config: MoEConfig, ep: int, group: Any, seed: int) -> tuple[MoE, ExpertParallelMoE]:
+def _layers(fields: dict, ep: int, group: Any, seed: int) -> tuple[MoE, ExpertParallelMoE]:
+    fields = dict(fields)
+    how = fields.pop("expert_compute", "loop")
+    config = MoEConfig(**fields)
     reference = MoE(HIDDEN, INNER, config, token_groups=ep, seed=seed)
-    return reference, ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=seed), group)
+    return reference, ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=seed), group, expert_compute=how)
 
 
 def global_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -63,7 +70,7 @@ def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps:
     and the reference's the mean of those over ranks (what :func:`sync_ep_grads` averages to).
 
     Args:
-        cases: :class:`~.moe.MoEConfig` fields per case.
+        cases: :class:`~.moe.MoEConfig` fields per case (and optionally ``expert_compute``).
         steps: AdamW steps after the first forward and backward.
 
     Returns:
@@ -76,8 +83,8 @@ def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps:
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
         group = pm.group("ep")
         for n, fields in enumerate(cases):
-            config = MoEConfig(**fields)
-            reference, layer = _layers(config, world_size, group, seed + n)
+            reference, layer = _layers(fields, world_size, group, seed + n)
+            config = reference.config
             data = torch.Generator().manual_seed(100 + n)
             x = torch.randn(world_size * tokens, HIDDEN, generator=data)
             u = torch.randn(world_size * tokens, HIDDEN, generator=data)
@@ -174,7 +181,6 @@ def ep_refusals(rank: int, world_size: int) -> dict[str, str]:
         except ValueError as error:
             out["wrong_split"] = f"ValueError: {error}"
         if rank == 0:
-            from parallel_lib.expert_parallel.uneven_all_to_all import exchange_counts
             try:
                 exchange_counts(torch.zeros(world_size, dtype=torch.int64), group, timeout=1.0)
             except TimeoutError as error:
@@ -184,13 +190,37 @@ def ep_refusals(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
-def ep_checks(rank: int, world_size: int, cases: list[dict], gpt2_cases: list[dict] = (),
+def ep_idle_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Every token of every rank chooses expert 0 (on rank 0): the other ranks receive no rows, and the input
+    needs no gradient. Forward and backward must still meet in every all-to-all.
+
+    Returns:
+        ``received`` (rows this rank's experts computed), ``expert_grad`` (largest |gradient| of this rank's
+        experts), ``router_grad`` (whether the router got a nonzero gradient).
+    """
+    config = MoEConfig(n_experts=2 * world_size, top_k=1)
+    with Mesh(ep=world_size).build(timeout=60.0) as pm:
+        layer = ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=3), pm.group("ep"))
+        with torch.no_grad():
+            layer.router.gate.weight.zero_()
+            layer.router.gate.weight[0] = 1.0
+        x = torch.rand(8, HIDDEN) + 0.1  # all positive: expert 0 scores highest for every token
+        y = layer(x)
+        y.pow(2).sum().backward()
+        sync_ep_grads(layer, pm.group("ep"))
+        return dict(received=layer.received,
+                    expert_grad=max(float(p.grad.abs().max()) for p in layer.experts.parameters()),
+                    router_grad=bool(layer.router.gate.weight.grad.abs().sum() > 0))
+
+
+def ep_checks(rank: int, world_size: int, cases: list[dict], gpt2_cases: Sequence[dict] = (),
               steps: int = 3) -> dict[str, Any]:
     """Every check of one launch: :func:`ep_matches_one_process`, :func:`gpt2_ep_check` of each of
-    ``gpt2_cases``, :func:`ep_traffic_counted` balanced and with drops, and :func:`ep_refusals` last (its
-    timed-out exchange leaves the group unusable)."""
+    ``gpt2_cases``, :func:`ep_idle_rank`, :func:`ep_traffic_counted` balanced and with drops, and
+    :func:`ep_refusals` last (its timed-out exchange leaves the group unusable)."""
     return dict(cases=ep_matches_one_process(rank, world_size, cases, steps),
                 gpt2=[gpt2_ep_check(rank, world_size, fields) for fields in gpt2_cases],
+                idle=ep_idle_rank(rank, world_size),
                 traffic=ep_traffic_counted(rank, world_size, n_experts=2 * world_size),
                 traffic_dropped=ep_traffic_counted(rank, world_size, n_experts=2 * world_size, capacity_factor=1.0),
                 refusals=ep_refusals(rank, world_size))
@@ -209,11 +239,6 @@ def gpt2_ep_check(rank: int, world_size: int, fields: dict, steps: int = 2, rows
         parameters after ``steps`` AdamW steps (``after_steps``); the ``losses`` of both per step;
         ``dropped`` choices on this rank in the first step.
     """
-    from parallel_lib.expert_parallel.expert_parallel_moe import sync_ep_grads as sync
-    from parallel_lib.expert_parallel.moe import aux_loss_of
-    from parallel_lib.expert_parallel.parallelize import moe_gpt2, parallelize_ep
-    from parallel_lib.models.gpt2 import build_model
-
     config = MoEConfig(**fields)
     mine = slice(rank * rows, (rank + 1) * rows)
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
@@ -235,9 +260,10 @@ def gpt2_ep_check(rank: int, world_size: int, fields: dict, steps: int = 2, rows
             logits = model(inputs[mine])
             loss = model.loss(logits, labels[mine]) + aux_coef * aux_loss_of(model)
             loss.backward()
-            sync(model, pm.group("ep"))
+            sync_ep_grads(model, pm.group("ep"))
             if step == 0:
-                out.update(logits=max_abs_difference(logits, ref_logits[mine]), grads=_grad_differences(reference, model),
+                out.update(logits=max_abs_difference(logits, ref_logits[mine]),
+                           grads=_grad_differences(reference, model),
                            dropped=sum(m.last.dropped for m in model.modules() if isinstance(m, ExpertParallelMoE)))
             for p in reference.parameters():
                 if p.grad is None:
