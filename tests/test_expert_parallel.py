@@ -178,3 +178,25 @@ def test_one_grouped_multiply_equals_the_loop_over_experts(counts):
         torch.testing.assert_close(results["loop"][0][0], experts[int(expert_of_row[0])](rows[0]).detach())
     with pytest.raises(ValueError, match="how must be one of"):
         run_experts(experts, rows, expert_of_row, "fused")
+
+
+def test_one_rank_holds_every_expert_and_computes_the_layer(one_rank_group):
+    import torch.distributed as dist
+
+    from parallel_lib.expert_parallel import ExpertParallelMoE, all_to_all, exchange_counts
+
+    config = MoEConfig(n_experts=4, top_k=2, capacity_factor=1.0, shared_expert=True)
+    x = torch.randn(12, 8)
+    layer = ExpertParallelMoE(MoE(8, 16, config, seed=4), dist.group.WORLD, expert_compute="grouped")
+    torch.testing.assert_close(layer(x), MoE(8, 16, config, seed=4)(x), rtol=0, atol=1e-6)
+    assert layer.received == int(layer.last.kept.sum()) and layer.local == 4
+    with pytest.raises(ValueError, match=r"send and receive must hold one size per rank of the group \(1\)"):
+        all_to_all(x, [6, 6], [12], dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"send=\[10\] sums to 10 rows but x has 12"):
+        all_to_all(x, [10], [10], dist.group.WORLD)
+    with pytest.raises(ValueError, match="timeout must be"):
+        exchange_counts(torch.zeros(4, dtype=torch.int64), dist.group.WORLD, timeout=0)
+    with pytest.raises(ValueError, match="expert_compute must be one of"):
+        ExpertParallelMoE(MoE(8, 16, config), dist.group.WORLD, expert_compute="fused")
+    with pytest.raises(TypeError, match="moe must be a MoE"):
+        ExpertParallelMoE(torch.nn.Linear(2, 2), dist.group.WORLD)

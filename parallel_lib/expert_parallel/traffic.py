@@ -11,7 +11,10 @@ Per layer and rank, with ``T`` tokens on the rank, ``k`` choices each, width ``h
 Those are the messages (the counter's ``nbytes``). What leaves the rank is less: the rows
 whose expert lives on this rank stay. With balanced routing a share ``1/ep`` stays, so each
 all-to-all puts ``(ep-1)/ep`` of its message on the wire. :func:`rows_leaving` counts the
-exact number from a routing record (capacity drops and imbalance included).
+exact number from a routing record (capacity drops and imbalance included). The collective
+counter (:mod:`parallel_lib.runtime.collectives`) charges an all-to-all ``(ep-1)/ep`` of its
+message whatever its splits: exact for balanced routing, an estimate otherwise, where
+``rows_leaving · h · b`` is what the dispatch really sends.
 """
 
 from __future__ import annotations
