@@ -4,8 +4,9 @@ formula says: ep = 2 and 4, with and without dropped tokens, every check of one 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from parallel_lib.expert_parallel import ep_traffic
+from parallel_lib.expert_parallel import ep_traffic, tokens_per_rank
 from parallel_lib.expert_parallel.verify import HIDDEN, ep_checks
 from parallel_lib.runtime import launch
 
@@ -60,6 +61,17 @@ def test_a_rank_that_receives_no_rows_still_meets_every_all_to_all(ranks):
     assert [r["idle"]["received"] for r in results] == [8 * ep] + [0] * (ep - 1)  # every token to expert 0
     assert results[0]["idle"]["expert_grad"] > 0 and all(r["idle"]["expert_grad"] == 0 for r in results[1:])
     assert all(r["idle"]["router_grad"] for r in results)
+
+
+def test_the_routing_log_adds_up_what_every_rank_routed_to_what_each_rank_computed(ranks):
+    ep, results = ranks
+    logs = [r["log"] for r in results]
+    for step in range(3):
+        for layer in range(4):  # tiny GPT-2: 4 blocks
+            routed = torch.tensor([log["routed"][step][layer] for log in logs]).sum(0)  # (E,) over every rank
+            assert routed.sum() <= 2 * 2 * 16 * ep  # rows · seq · top_k per rank; capacity 1.0 may drop some
+            assert [log["received"][step][layer] for log in logs] == tokens_per_rank(routed, ep).tolist()
+    assert all(len(log["step_s"]) == 3 and min(log["step_s"]) > 0 for log in logs)
 
 
 def test_all_to_all_bytes_equal_the_formula(ranks):

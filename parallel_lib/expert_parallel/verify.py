@@ -19,6 +19,7 @@ from parallel_lib.expert_parallel.balance import tokens_per_expert
 from parallel_lib.expert_parallel.expert_parallel_moe import ExpertParallelMoE, sync_ep_grads
 from parallel_lib.expert_parallel.moe import MoE, MoEConfig, aux_loss_of
 from parallel_lib.expert_parallel.parallelize import moe_gpt2, parallelize_ep
+from parallel_lib.expert_parallel.routing_log import log_routing
 from parallel_lib.expert_parallel.traffic import rows_leaving
 from parallel_lib.expert_parallel.uneven_all_to_all import exchange_counts
 from parallel_lib.models.gpt2 import build_model
@@ -216,11 +217,13 @@ def ep_idle_rank(rank: int, world_size: int) -> dict[str, Any]:
 def ep_checks(rank: int, world_size: int, cases: list[dict], gpt2_cases: Sequence[dict] = (),
               steps: int = 3) -> dict[str, Any]:
     """Every check of one launch: :func:`ep_matches_one_process`, :func:`gpt2_ep_check` of each of
-    ``gpt2_cases``, :func:`ep_idle_rank`, :func:`ep_traffic_counted` balanced and with drops, and
+    ``gpt2_cases``, :func:`ep_idle_rank`, :func:`~.routing_log.log_routing`, :func:`ep_traffic_counted` balanced and with drops, and
     :func:`ep_refusals` last (its timed-out exchange leaves the group unusable)."""
     return dict(cases=ep_matches_one_process(rank, world_size, cases, steps),
                 gpt2=[gpt2_ep_check(rank, world_size, fields) for fields in gpt2_cases],
                 idle=ep_idle_rank(rank, world_size),
+                log=log_routing(rank, world_size, dict(n_experts=2 * world_size, top_k=2, capacity_factor=1.0),
+                                steps=3),
                 traffic=ep_traffic_counted(rank, world_size, n_experts=2 * world_size),
                 traffic_dropped=ep_traffic_counted(rank, world_size, n_experts=2 * world_size, capacity_factor=1.0),
                 refusals=ep_refusals(rank, world_size))
