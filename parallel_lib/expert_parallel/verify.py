@@ -217,8 +217,8 @@ def ep_idle_rank(rank: int, world_size: int) -> dict[str, Any]:
 def ep_checks(rank: int, world_size: int, cases: list[dict], gpt2_cases: Sequence[dict] = (),
               steps: int = 3) -> dict[str, Any]:
     """Every check of one launch: :func:`ep_matches_one_process`, :func:`gpt2_ep_check` of each of
-    ``gpt2_cases``, :func:`ep_idle_rank`, :func:`~.routing_log.log_routing`, :func:`ep_traffic_counted` balanced and with drops, and
-    :func:`ep_refusals` last (its timed-out exchange leaves the group unusable)."""
+    ``gpt2_cases``, :func:`ep_idle_rank`, :func:`~.routing_log.log_routing`, :func:`ep_traffic_counted`
+    balanced and with drops, and :func:`ep_refusals` last (its timed-out exchange leaves the group unusable)."""
     return dict(cases=ep_matches_one_process(rank, world_size, cases, steps),
                 gpt2=[gpt2_ep_check(rank, world_size, fields) for fields in gpt2_cases],
                 idle=ep_idle_rank(rank, world_size),
