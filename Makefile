@@ -6,22 +6,25 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab reset test test-unit test-notebooks figures bench clean
+.PHONY: lab reset test test-unit test-notebooks figures book bench clean
 
 # The lab opens working copies in lab/ (ignored by git), so JupyterLab's autosave never writes
 # outputs into the tracked notebooks that `make test` checks. A chapter added later is copied
 # in on the next `make lab`; copies already there are kept with the student's work.
-# --allow-root only for root (containers, lab VMs): JupyterLab refuses root otherwise
+# --allow-root only for root (containers, lab VMs): JupyterLab refuses root otherwise.
+# jupyterlab-settings/overrides.json changes JupyterLab's defaults for this course only: no
+# "get notified about news?" prompt (a reader's own settings still win).
 lab: $(STAMP)
 	@mkdir -p lab
 	@for nb in notebooks/*.ipynb; do [ -e "lab/$${nb#notebooks/}" ] || cp "$$nb" lab/; done
-	$(BIN)/jupyter lab --notebook-dir=lab $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	$(BIN)/jupyter lab --notebook-dir=lab "--LabApp.app_settings_dir=$(CURDIR)/jupyterlab-settings" $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # `make reset NB=03` puts lab/03_*.ipynb back as shipped (the student's copy is overwritten);
+# `make reset NB=08` resets both halves of chapter 08 (08a_*, 08b_*), `NB=08b` one of them;
 # `make reset` with no NB resets every chapter.
 reset:
 	@mkdir -p lab
-	@for nb in notebooks/$(if $(NB),$(NB)_,)*.ipynb; do cp -v "$$nb" lab/; done
+	@for nb in notebooks/$(if $(NB),$(NB)[_ab]*,*).ipynb; do cp -v "$$nb" lab/; done
 
 test: test-unit test-notebooks
 
@@ -39,6 +42,12 @@ test-notebooks: $(STAMP)
 FIGURES_OUT ?= build/figures
 figures: $(STAMP)
 	$(BIN)/python -m parallel_lib.figures --out $(FIGURES_OUT)
+
+# `make book`: every notebook executed on this machine, rendered as a static site under build/book/
+# (index.html in course order, each page labelled with the machine), with the measured tables of
+# docs/measurements.md; publish the folder as it is (README: "A course readable without running it").
+book: $(STAMP)
+	$(BIN)/python tools/build_book.py notebooks/*.ipynb --page docs/measurements.md --out build/book
 
 # `make bench QUICK=1`: every benchmark as a smoke run of a few seconds
 BENCH = $(BIN)/python -m parallel_lib.bench

@@ -144,7 +144,7 @@ def _strategy_decision_map() -> Figure:
 
 def _zero_census() -> Figure:
     from parallel_lib.runtime import machine_label
-    from parallel_lib.sharding import measure_stages
+    from parallel_lib.training.zero_measure import measure_stages
     from parallel_lib.viz.sharding import plot_zero_memory
     return plot_zero_memory(*measure_stages(2), title=f"tiny GPT-2, 2 ranks, bf16 + fp32 master ({machine_label()})",
                             unit=1e3, unit_name="kB")
@@ -156,7 +156,7 @@ def _zero_calculator() -> Figure:
 
 
 def _zero3_timeline() -> Figure:
-    from parallel_lib.sharding import zero3_timelines
+    from parallel_lib.training.zero_measure import zero3_timelines
     from parallel_lib.viz.sharding import plot_zero_timelines
     return plot_zero_timelines(zero3_timelines(2))
 

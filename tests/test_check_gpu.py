@@ -90,7 +90,7 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
         ("model_parallel", "03_model_parallel"),
         ("pipeline", "04_pipeline_parallel"), ("hybrid", "05_choosing_a_strategy"),
         ("sharding", "06_sharded_data_parallel"),
-        ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08_pipeline_schedules"), ("inference", "09_inference"),
+        ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08b_v_shapes_and_hangs"), ("inference", "09_inference"),
         ("grid3d", "10_training_at_scale")]
     monkeypatch.setattr(gpu_checks, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
@@ -199,7 +199,7 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
         ["| allreduce", "02_all_reduce", "passed"], ["| model_parallel", "03_model_parallel", "passed"],
         ["| pipeline", "04_pipeline_parallel", "FAILED"], ["| hybrid", "05_choosing_a_strategy", "passed"],
         ["| sharding", "06_sharded_data_parallel", "passed"],
-        ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08_pipeline_schedules", "passed"],
+        ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08b_v_shapes_and_hangs", "passed"],
         ["| inference", "09_inference", "passed"],
         ["| grid3d", "10_training_at_scale", "passed"]]
 

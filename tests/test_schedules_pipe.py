@@ -94,3 +94,25 @@ def test_unknown_schedule_and_checkpoint_are_refused():
         Pipe(mlp(), ["cpu"] * 2, checkpoint="sometimes")
     with pytest.raises(ValueError, match="give a list of devices"):
         Pipe(mlp(), {"cpu": [0, 1, 2, 3], 1: [4, 5, 6, 7]}, schedule="interleaved")
+
+
+def test_a_hand_written_schedule_runs_on_the_pipe_with_its_own_placement():
+    from parallel_lib.pipeline_parallel import Action, Schedule
+    v_shape = make_schedule("zbv", 2, 4)
+    hand = Schedule("mine", 2, 4, v_shape.stages, v_shape.placement)  # a Schedule object, not a name
+    model, x, y = mlp(), torch.randn(16, 6), torch.randn(16, 6)
+    reference = copy.deepcopy(model)
+    expected = mse(reference(x), y)
+    expected.backward()
+    with Pipe(model, ["cpu", "cpu"], chunks=4, schedule=hand) as pipe:
+        assert pipe.placement == (0, 1, 1, 0) and pipe.make_schedule(4) is hand
+        loss = pipe.train_step(x, y, mse)
+        with pytest.raises(ValueError, match="schedule 'mine' is written for 4 micro-batches, got 8: give chunks=4"):
+            pipe.chunks = 8
+            pipe.train_step(x, y, mse)
+    check(model, reference, loss, expected.detach(), bitwise=False)
+    broken = Schedule("broken", 2, 1, ((Action("B", 0), Action("F", 0)), (Action("F", 0), Action("B", 0))))
+    with pytest.raises(ValueError, match="stage 0 runs B0 before F0"):
+        Pipe(mlp(), ["cpu", "cpu"], chunks=1, schedule=broken)
+    with pytest.raises(ValueError, match="schedule 'mine' is written for 2 ranks, got 3 devices"):
+        Pipe(mlp(), ["cpu"] * 3, chunks=4, schedule=hand)

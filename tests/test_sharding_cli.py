@@ -42,6 +42,30 @@ def test_a_stage_outside_0_to_3_is_refused_by_the_command_line():
     assert result.returncode == 2 and "invalid choice: 4" in result.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "0"], "--world-size must be an int >= 1, got --world-size=0"),
+    (["--world-size", "-1"], "--world-size must be an int >= 1, got --world-size=-1"),
+    (["--steps", "0"], "--steps must be an int >= 2, got --steps=0"),
+    (["--steps", "1"], "--steps must be an int >= 2, got --steps=1; the census is of the last step"),
+    (["--batch-size", "0"], "batch_size must be an int >= 1, got batch_size=0"),
+    (["--seq-len", "0"], "seq_len must be an int >= 1, got seq_len=0"),
+    (["--batch-size", "3"], "batch_size must split into dp=2 replicas"),
+    (["--sync", "fsdp2", "--max-grad-norm", "-1"], "max_grad_norm must be"),
+])
+def test_counts_that_cannot_run_are_refused_with_the_usage_before_any_rank_starts(flags, message, capsys, monkeypatch):
+    """Issue #22 item 8: ``--world-size 0`` ran 2 ranks, ``--steps 0`` or 1 ran 2 steps, ``--batch-size 0`` and
+    ``--seq-len 0`` failed inside the ranks."""
+    from parallel_lib.runtime import launcher
+    from parallel_lib.sharding.cli import main
+
+    monkeypatch.setattr(launcher, "run", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: python -m parallel_lib.sharding")
+    assert message in err
+
+
 def test_the_gpu_check_of_chapter_06_runs_on_cpu_ranks():
     from parallel_lib.gpu_checks.ch06_sharding import check_sharding
 

@@ -9,6 +9,7 @@ in launched ranks; ``load_full`` copied a state of another shape without a word.
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from parallel_lib.runtime import launch
 from parallel_lib.sharding import ZeroEngine, consolidate, load_full, load_shards, shard_state
-from parallel_lib.sharding.train import ShardConfig, run_sharded, single_process_reference
+from parallel_lib.training import Plan, RunConfig, reference, train
 
 VOCAB = 97  # odd: the embedding's group is padded on 2 ranks, so padding must stay out of the norm
 CLIP = 0.5  # below tiny GPT-2's gradient norm at every one of the 3 steps (asserted)
@@ -111,13 +112,14 @@ def launched() -> list[dict]:
     return launch(_all, 2, timeout=600)
 
 
-_CLIPPED_CONFIGS = {name: ShardConfig(strategy=strategy, stage=3, vocab_size=VOCAB, batch_size=ROWS, seq_len=SEQ,
-                                       steps=STEPS, max_grad_norm=CLIP)
-                    for name, strategy in (("zero3", "zero"), ("ddp", "ddp"), ("fsdp2", "fsdp2"))}
+# the one training entry with max_grad_norm; AdamW's eps 1e-3 as in tests/test_sharding.py (float noise stays ~1e-8)
+_CLIPPED_RUN = RunConfig(vocab_size=VOCAB, batch_size=ROWS, seq_len=SEQ, steps=STEPS, max_grad_norm=CLIP, eps=1e-3)
+_CLIPPED_PLANS = {name: Plan(dp=2, zero=3 if sync == "zero" else 0, sync=sync, micro_batches=1)
+                  for name, sync in (("zero3", "zero"), ("ddp", "ddp"), ("fsdp2", "fsdp2"))}
 
 
 def _all(rank: int, world_size: int) -> dict:
-    configs = {name: run_sharded(rank, world_size, config).state for name, config in _CLIPPED_CONFIGS.items()}
+    configs = {name: train(rank, world_size, plan, _CLIPPED_RUN).state for name, plan in _CLIPPED_PLANS.items()}
     return dict(clipped=clipped_runs(rank, world_size), stage3=stage3_between_steps(rank, world_size),
                 configs=configs)
 
@@ -136,13 +138,14 @@ def test_the_engines_clipping_equals_one_process_at_every_stage(launched):
 
 
 def test_max_grad_norm_clips_every_strategy_like_one_process(launched):
-    for name, config in _CLIPPED_CONFIGS.items():
-        _, expected, _ = single_process_reference(config)
-        _, unclipped, _ = single_process_reference(ShardConfig(**{**config.__dict__, "max_grad_norm": 0.0}))
-        assert max((expected[k] - unclipped[k]).abs().max() for k in expected) > 1e-4  # the clip changed the run
+    _, expected = reference(_CLIPPED_RUN)
+    _, unclipped = reference(replace(_CLIPPED_RUN, max_grad_norm=0.0))
+    assert max((expected[k] - unclipped[k]).abs().max() for k in expected) > 1e-4  # the clip changed the run
+    for name in _CLIPPED_PLANS:
         for rank, state in enumerate(r["configs"][name] for r in launched):
-            for param, value in expected.items():
-                torch.testing.assert_close(state[param], value, rtol=1e-4, atol=1e-5,
+            assert state, (name, rank)
+            for param, value in state.items():
+                torch.testing.assert_close(value, expected[param], rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{name}, rank {rank}, {param}: {m}")
 
 
@@ -213,7 +216,7 @@ def test_a_state_of_another_shape_is_refused_naming_the_parameter(one_rank_group
 def test_max_grad_norm_must_be_a_number_at_least_0():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="max_grad_norm must be"):
-            run_sharded(0, 1, ShardConfig(max_grad_norm=bad))
+            RunConfig(max_grad_norm=bad).check()
 
 
 def test_max_norm_must_be_positive(one_rank_group):

@@ -31,10 +31,9 @@ from parallel_lib.planner.model_step import PROBE_BATCH, step_key, time_step
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
-from parallel_lib.sharding.train import ShardConfig, run_sharded
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.tensor_parallel.batches import TPConfig
-from parallel_lib.training import Plan, RunConfig, tp_layout, train
+from parallel_lib.training import Plan, RunConfig, tp_layout, train, zero_plan
 from parallel_lib.training.traffic import dp_groups
 
 __all__ = ["Row", "jobs", "run_jobs", "run_layouts", "measure", "markdown", "main"]
@@ -67,15 +66,14 @@ class Row:
 
 def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout, str, Any, GPTShape]]:
     """``(layout, engine, config, model shape)`` for every layout run on ``world_size`` ranks."""
-    sharded = ShardConfig(strategy="zero", model="tiny", vocab_size=VOCAB, batch_size=BATCH, seq_len=SEQ,
-                          steps=steps, measure_step=1, return_state=False)
-    shard_shape = GPTShape.of(gpt2_config("tiny", VOCAB, n_positions=SEQ))
+    sharded = RunConfig(model="tiny", vocab_size=VOCAB, batch_size=BATCH, seq_len=SEQ, steps=steps,
+                        return_state=False)  # ZeRO over every rank, one micro-batch: chapter 06's runs
     tp_shape = GPTShape.of(gpt2_config("tiny", VOCAB))
     corpus = RunConfig(model="tiny", data="corpus", vocab_size=VOCAB, seq_len=SEQ, batch_size=BATCH, steps=steps,
                        train_examples=BATCH * steps, return_state=False)  # chapter 05's run
 
     def zero(k: int) -> tuple[Layout, str, Any, GPTShape]:
-        return Layout(dp=world_size, zero=k), "sharding.ZeroEngine", replace(sharded, stage=k), shard_shape
+        return Layout(dp=world_size, zero=k), "training.train", (zero_plan(world_size, k), sharded), tp_shape
 
     def pipe(dp: int, schedule: str, m: int) -> tuple[Layout, str, Any, GPTShape]:
         pp = world_size // dp
@@ -141,9 +139,6 @@ def _shortened(config: Any) -> Any:
 
 def _run(rank: int, world_size: int, engine: str, config: Any) -> tuple[list[float], float]:
     """One run with ``engine``: its step times on this rank and the model-state bytes it holds."""
-    if engine == "sharding.ZeroEngine":
-        r = run_sharded(rank, world_size, config)
-        return r.record.step_times, float(r.census.get("total", 0))
     plan, run = config  # "training.train"
     g = train(rank, world_size, plan, run)
     return g.record.step_times, float(g.state_bytes)

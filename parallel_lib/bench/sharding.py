@@ -25,17 +25,16 @@ from parallel_lib.common.tables import markdown_table
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.sharding.memory import megatron_bytes_per_param, zero_memory, zero_paper_table, zero_traffic
-from parallel_lib.sharding.measure import run_many
-from parallel_lib.sharding.train import ShardConfig, ShardResult
+from parallel_lib.training import RunConfig, TrainResult, train_many, zero_plan
 
 __all__ = ["Config", "QUICK", "VARIANTS", "Row", "measure", "markdown", "main"]
 
-# name -> (ShardConfig fields, the ZeRO stage whose formula applies)
-VARIANTS: dict[str, tuple[dict, int]] = {
-    **{f"ZeRO-{s}": (dict(strategy="zero", stage=s, precision="bf16"), s) for s in range(4)},
-    "DDP": (dict(strategy="ddp", precision="fp32"), 0),
-    "ZeroRedundancyOptimizer": (dict(strategy="zero_redundancy", precision="fp32"), 1),
-    "FSDP2 fully_shard": (dict(strategy="fsdp2", precision="fp32"), 3),
+# name -> (the dp axis: Plan.sync and Plan.zero, RunConfig.precision, the ZeRO stage whose formula applies)
+VARIANTS: dict[str, tuple[str, int, str, int]] = {
+    **{f"ZeRO-{s}": ("zero", s, "bf16", s) for s in range(4)},
+    "DDP": ("ddp", 0, "fp32", 0),
+    "ZeroRedundancyOptimizer": ("zero_redundancy", 0, "fp32", 1),
+    "FSDP2 fully_shard": ("fsdp2", 0, "fp32", 3),
 }
 
 
@@ -46,7 +45,7 @@ class Config:
     per_rank_batch: int = 4      # rows per rank: the same work per rank at every world size
     seq_len: int = 64
     vocab_size: int = 2048
-    steps: int = 6               # step 1 is measured; tokens/s leaves step 0 out
+    steps: int = 6               # step 1 is measured (after AdamW made its state); tokens/s leaves step 0 out
 
 
 QUICK = Config(models=("tiny",), world_sizes=(1, 2), per_rank_batch=2, seq_len=16, vocab_size=256, steps=2)
@@ -69,17 +68,18 @@ class Row:
     tokens_per_sec: float        # slowest rank
 
 
-def _row(model: str, variant: str, results: Sequence[ShardResult]) -> Row:
+def _row(model: str, variant: str, results: Sequence[TrainResult]) -> Row:
     n, first = len(results), results[0]
-    precision, stage = first.config.precision, VARIANTS[variant][1]
-    formula = zero_memory(first.num_params, n, stage, precision)
+    _, _, precision, stage = VARIANTS[variant]
+    psi = first.trainable_parameters
+    formula = zero_memory(psi, n, stage, precision)
     census = {k: sum(r.census[k] for r in results) / n for k in results[0].census}
     deviation = abs(census["total"] - formula["total"]) / formula["total"]
     worst = max(abs(r.census["total"] - formula["total"]) / formula["total"] for r in results)
-    traffic = zero_traffic(first.num_params, n, stage, precision)
+    traffic = zero_traffic(psi, n, stage, precision)
     if variant == "ZeroRedundancyOptimizer":  # DDP's all-reduce, then each rank broadcasts its updated 1/N
-        traffic = zero_traffic(first.num_params, n, 0, precision) + 4 * first.num_params / n
-    return Row(model, n, variant, precision, first.num_params, census, formula, deviation, worst, first.padding,
+        traffic = zero_traffic(psi, n, 0, precision) + 4 * psi / n
+    return Row(model, n, variant, precision, psi, census, formula, deviation, worst, first.padding,
                max(r.wire_bytes for r in results), traffic,
                min(r.record.throughput(skip=1) for r in results))
 
@@ -89,11 +89,12 @@ def measure(config: Config) -> list[Row]:
     rows = []
     for model in config.models:
         for n in config.world_sizes:
-            base = ShardConfig(model=model, vocab_size=config.vocab_size, batch_size=config.per_rank_batch * n,
-                               seq_len=config.seq_len, steps=config.steps, return_state=False)
-            configs = {name: replace(base, **fields) for name, (fields, _) in VARIANTS.items()}
-            per_rank = launch(run_many, n, configs, timeout=1800)
-            rows += [_row(model, name, [r[name] for r in per_rank]) for name in VARIANTS]
+            base = RunConfig(model=model, vocab_size=config.vocab_size, batch_size=config.per_rank_batch * n,
+                             seq_len=config.seq_len, steps=config.steps, measure_step=1, return_state=False)
+            jobs = [(zero_plan(n, stage, sync), replace(base, precision=precision))
+                    for sync, stage, precision, _ in VARIANTS.values()]
+            per_rank = launch(train_many, n, jobs, timeout=1800)
+            rows += [_row(model, name, [r[k] for r in per_rank]) for k, name in enumerate(VARIANTS)]
     return rows
 
 

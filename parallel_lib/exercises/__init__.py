@@ -38,9 +38,10 @@ _CHECKERS = {
     "check_bytes_per_device": "ch05", "check_plan_parallelism": "ch05", "check_ring_exchange_order": "ch05",
     "check_shard_owner": "ch06", "check_zero_bytes_per_rank": "ch06", "check_zero3_bytes_sent": "ch06",
     "check_row_parallel_forward": "ch07", "check_tp_operators": "ch07", "check_vocab_cross_entropy": "ch07",
-    "check_interleaved_bubble": "ch08", "check_fill_the_bubble": "ch08", "check_repair_deadlock": "ch08",
+    "check_linear_weight_grad": "ch08a", "check_interleaved_bubble": "ch08a",
+    "check_schedule_lab": "ch08b", "check_repair_deadlock": "ch08b",
 }
-CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
+CHAPTERS = ("00", "01", "02", "03", "04", "05", "06", "07", "08a", "08b")  # chapter 08 is two notebooks
 
 _LAB = ("grade", "grade_notebook", "launch_cell", "section_cells", "hide_solutions")
 

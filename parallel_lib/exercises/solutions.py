@@ -24,6 +24,7 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "_clock_cycles", "pipeline_bubble", "gpipe_step_time", "one_f_one_b_order", "micro_batches_for_bubble",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order",
            "row_parallel_forward", "tp_operators", "vocab_cross_entropy",
+           "linear_weight_grad", "interleaved_bubble", "SCHEDULE_LAB", "REPAIR_DEADLOCK",
            "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT"]
 
 
@@ -274,6 +275,30 @@ def vocab_cross_entropy(logits_mine, target, vocab_start):
     picked = shifted.gather(-1, index[:, None])[:, 0] * mine
     dist.all_reduce(picked)
     return (total.log() - picked) * counted
+
+
+# --------------------------------------------------------------------------- chapter 08 (08a and 08b)
+def linear_weight_grad(x, grad_y):
+    # every dimension but the last holds rows (a batch of sequences too); each row adds
+    # (its output gradient) x (its input) to the weight's gradient and its output gradient to the bias's
+    rows_x, rows_g = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
+    return rows_g.T @ rows_x, rows_g.sum(0)
+
+
+def interleaved_bubble(p: int, m: int, v: int) -> float:
+    # the fill and the drain are p - 1 steps each of a stage, 1/v of a rank's share: (p-1)/v of m·(F+B)
+    return (p - 1) / (v * m)
+
+
+# W costs twice B, so a rank keeps one more micro-batch than ZB-H1 (5 instead of 4) to fill the waits of
+# the drain with Ws; ranks 0 and 1 run that extra forward during the warm-up
+SCHEDULE_LAB = ["F0 F1 F2 F3 F4 B0 W0 B1 B2 F5 W1 B3 B4 F6 W2 F7 W3 B5 W4 B6 W5 B7 W6 W7",
+                "F0 F1 F2 F3 F4 B0 W0 B1 B2 W1 B3 B4 F5 W2 F6 W3 B5 F7 W4 B6 W5 B7 W6 W7",
+                "F0 F1 F2 B0 F3 B1 F4 B2 W0 B3 B4 W1 F5 W2 B5 F6 W3 B6 F7 W4 B7 W5 W6 W7",
+                "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 W0 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"]
+
+# rank 1 ran F1 before B0, but rank 0 sends F1 only after its B0, which needs rank 1's B0: a cycle
+REPAIR_DEADLOCK = "F0 B0 F1 B1"
 
 
 # --------------------------------------------------------------------------- chapter 09

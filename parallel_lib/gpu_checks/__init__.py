@@ -96,7 +96,7 @@ register_check("sharding", Check("06_sharded_data_parallel", 2, "ZeRO-0..3, Zero
                                  "ranks: equivalence with one process, census, bench sharding", check_sharding))
 register_check("tensor_parallel", Check("07_tensor_parallel", 2, "GPT-2 split by heads (TP, TP+SP, x DP) on NCCL "
                                         "ranks: equivalence with one process", check_tensor_parallel))
-register_check("schedules", Check("08_pipeline_schedules", 2, "every chapter 08 schedule's Pipe over cuda:0, "
+register_check("schedules", Check("08b_v_shapes_and_hangs", 2, "every chapter 08 schedule's Pipe over cuda:0, "
                                   "cuda:1: equivalence with one GPU, step times", check_schedules, splits_layers=True))
 register_check("inference", Check("09_inference", 1, "serving on cuda:0, cuda:0..n-1 and NCCL ranks (dp, pp, tp): "
                                   "the CPU engine's tokens", check_inference))

@@ -1,5 +1,8 @@
 """Chapter 06's GPU check: ZeRO-0..3, ZeroRedundancyOptimizer and FSDP2 on NCCL ranks train like one process.
 
+Every variant runs through the one training entry (``training.train_many`` of ``zero_plan``s)
+and is compared with ``training.reference``.
+
 :func:`check_sharding` compares every variant's parameters with one process, its census with
 ``zero_memory``'s formula, then prints ``python -m parallel_lib.bench sharding``'s table.
 :mod:`parallel_lib.gpu_checks` registers it as ``sharding``.
@@ -21,27 +24,28 @@ def check_sharding(n_gpus: int, quick: bool = False) -> str:
     """ZeRO-0..3 (torch and ring collectives), ZeroRedundancyOptimizer and FSDP2 on ``n_gpus`` ranks train
     like one process; the census matches the formula; then ``bench sharding``'s table at 1 and n ranks."""
     from parallel_lib.bench import sharding as bench_sharding
-    from parallel_lib.sharding import ShardConfig, run_many, single_process_reference, zero_memory
+    from parallel_lib.sharding import zero_memory
+    from parallel_lib.training import RunConfig, max_difference, reference, train_many, zero_plan
 
-    base = ShardConfig(model="tiny", vocab_size=97, batch_size=4 * n_gpus, seq_len=32, steps=3)
-    runs = {f"ZeRO-{s}": replace(base, stage=s) for s in range(4)}
-    runs.update({"ZeRO-2 ring": replace(base, stage=2, collectives="ring"),
-                 "ZeRO-3 ring": replace(base, stage=3, collectives="ring"),
-                 "ZeRO-3 prefetch": replace(base, stage=3, prefetch=True),
-                 "ZeroRedundancyOptimizer": replace(base, strategy="zero_redundancy"),
-                 "FSDP2": replace(base, strategy="fsdp2")})
-    per_rank = launch(run_many, n_gpus, runs, timeout=600)
-    _, expected, _ = single_process_reference(base)
+    base = RunConfig(model="tiny", vocab_size=97, batch_size=4 * n_gpus, seq_len=32, steps=3)
+    n = n_gpus
+    runs = {f"ZeRO-{s}": (zero_plan(n, s), base, s) for s in range(4)}
+    runs.update({"ZeRO-2 ring": (zero_plan(n, 2), replace(base, collectives="ring"), 2),
+                 "ZeRO-3 ring": (zero_plan(n, 3), replace(base, collectives="ring"), 3),
+                 "ZeRO-3 prefetch": (zero_plan(n, 3), replace(base, prefetch=True), 3),
+                 "ZeroRedundancyOptimizer": (zero_plan(n, sync="zero_redundancy"), base, 1),
+                 "FSDP2": (zero_plan(n, sync="fsdp2"), base, 3)})
+    per_rank = launch(train_many, n_gpus, [(plan, run) for plan, run, _ in runs.values()], timeout=600)
+    _, expected = reference(base)
     rows = []
-    for name, config in runs.items():
-        results = [r[name] for r in per_rank]
-        worst = max(max_abs_difference(r.state[k], v) for k, v in expected.items() for r in results)  # inf: NaN
+    for k, (name, (plan, config, stage)) in enumerate(runs.items()):
+        results = [r[k] for r in per_rank]
+        worst = max(max_difference(results, expected).values())
         if not worst < 1e-3:  # AdamW turns float noise into ~1e-5 here; a missed shard is ~1e-3 per step
             raise CheckError(f"{name} on {n_gpus} GPUs differs from one process by {worst:.3g}")
-        stage = {"ZeroRedundancyOptimizer": 1, "FSDP2": 3}.get(name, config.stage)
-        formula = zero_memory(results[0].num_params, n_gpus, stage, config.precision)["total"]
+        formula = zero_memory(results[0].trainable_parameters, n_gpus, stage, config.precision)["total"]
         off = max(abs(r.census["total"] - formula) / formula for r in results)
-        if config.strategy == "zero" and not off < 0.05:
+        if plan.sync == "zero" and not off < 0.05:
             raise CheckError(f"{name}: census {off:.1%} off the formula")
         rows.append([name, f"{worst:.1e}", f"{off:.2%}", f"{results[0].wire_bytes / 1e6:.3f}"])
     table = markdown_table(["variant", "max abs parameter difference", "census off formula", "MB sent per step"],

@@ -53,7 +53,7 @@ from parallel_lib.pipeline_parallel.microbatch import (
 from parallel_lib.pipeline_parallel.run import CHECKPOINTS, Checkpoint, LossFn, StageError, layout, sum_tied_gradients
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import ALL_SCHEDULES, Action, Schedule, make_schedule
-from parallel_lib.pipeline_parallel.simulator import _label
+from parallel_lib.pipeline_parallel.simulator import _label, validate_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner, TensorOrTensors
 from parallel_lib.pipeline_parallel.transports import Cancelled, Mailbox, ThreadLink
 from parallel_lib.pipeline_parallel.worker import Task, Workers
@@ -106,7 +106,9 @@ class Pipe(nn.Module):
         split_size: rows per micro-batch instead of ``chunks``.
         schedule: what :meth:`train_step` runs (forward passes are the same): "gpipe", "1f1b",
             "zb-h1", "zb-h2" (backward split into B and W), or "interleaved", "zbv" and "dualpipev",
-            which cut the layers into 2 stages per device (interleaved: stage s on device s % p; the others a V).
+            which cut the layers into 2 stages per device (interleaved: stage s on device s % p; the others a V);
+            or a hand-written :class:`~parallel_lib.pipeline_parallel.schedule.Schedule` (one rank per device,
+            its ``placement`` for where the model stages live), which then runs its own number of micro-batches.
         checkpoint: activation recomputation, as torchgpipe offers it: "never", "except_last"
             (every micro-batch but the last keeps only its input and runs its forward again at
             backward time) or "always". In :meth:`train_step` the recomputation runs in the
@@ -135,19 +137,23 @@ class Pipe(nn.Module):
             list, or a device key of the wrong type.
         ValueError: a layer or parameter held twice, no devices, more stages than layers, a device
             map that does not cover the layers in order or leaves a stage empty, ``chunks``/``split_size``
-            below 1 or both given, an unknown schedule, ``num_threads`` or ``timeout`` not positive.
+            below 1 or both given, an unknown schedule or a hand-written one the validator refuses,
+            ``num_threads`` or ``timeout`` not positive.
     """
 
     def __init__(self, module: nn.Sequential, devices: Union[Sequence[DeviceKey], DeviceMap],
                  chunks: Optional[int] = None, *, split_size: Optional[int] = None,
-                 schedule: str = "gpipe", num_threads: int = 1, timeout: float = 60.0,
+                 schedule: Union[str, Schedule] = "gpipe", num_threads: int = 1, timeout: float = 60.0,
                  tied_parameters: Optional[Sequence[TiedPair]] = None, checkpoint: Checkpoint = "never") -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
         check_layers(module)
         make_schedule("gpipe", 1, 1)  # registers every schedule's name
-        check_choice("schedule", schedule, sorted(ALL_SCHEDULES))
+        if isinstance(schedule, Schedule):
+            validate_schedule(schedule)  # a hand-written one is refused with its reason before a thread starts
+        else:
+            check_choice("schedule", schedule, sorted(ALL_SCHEDULES))
         check_choice("checkpoint", checkpoint, CHECKPOINTS)
         keys, self.stage_layers, self.placement = layout(len(module), devices, schedule)
         if chunks is None and split_size is None:
@@ -218,7 +224,16 @@ class Pipe(nn.Module):
         self.close()
 
     def make_schedule(self, num_micro_batches: int) -> Schedule:
-        """The schedule this pipe runs for a given number of micro-batches."""
+        """The schedule this pipe runs for a given number of micro-batches.
+
+        Raises:
+            ValueError: the named schedule cannot run that many, or a hand-written one is for another number.
+        """
+        if isinstance(self.schedule, Schedule):
+            if num_micro_batches != self.schedule.num_micro_batches:
+                raise ValueError(f"schedule {self.schedule.name!r} is written for "
+                                 f"{self.schedule.num_micro_batches} micro-batches, got {num_micro_batches}")
+            return self.schedule
         return make_schedule(self.schedule, self.num_stages, num_micro_batches)
 
     def _schedule_for(self, inputs: list[TensorOrTensors], batch: TensorOrTensors) -> Schedule:
@@ -229,7 +244,10 @@ class Pipe(nn.Module):
         """
         try:
             return self.make_schedule(len(inputs))
-        except ValueError:
+        except ValueError as error:
+            if isinstance(self.schedule, Schedule):
+                raise ValueError(f"{error}: give chunks={self.schedule.num_micro_batches} and a batch of at least "
+                                 f"that many rows") from None
             m, rows = len(inputs), (batch if isinstance(batch, Tensor) else batch[0]).size(0)
             runs = [k for k in range(m + 1, m + 4 * self.num_stages + 1) if _accepts(self.schedule, self.num_stages, k)]
             head = (f"schedule={self.schedule!r} on {self.num_stages} devices cannot run {m} micro-batches"

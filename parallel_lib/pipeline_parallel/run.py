@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from parallel_lib.model_parallel.device_map import DeviceMap
 from parallel_lib.pipeline_parallel.microbatch import split_layers
-from parallel_lib.pipeline_parallel.schedule import Action, make_schedule, stages_per_rank
+from parallel_lib.pipeline_parallel.schedule import Action, Schedule, make_schedule, stages_per_rank
 from parallel_lib.runtime.device import DeviceKey
 
 __all__ = ["StageError", "LossFn", "Checkpoint", "CHECKPOINTS", "layout", "sum_tied_gradients"]
@@ -37,18 +37,27 @@ class StageError(RuntimeError):
         self.action = action
 
 
-def layout(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap], schedule: str
+def layout(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap], schedule: Union[str, Schedule]
            ) -> tuple[list[DeviceKey], list[list[int]], tuple[int, ...]]:
     """``(device key per rank, layer indices per model stage, rank per model stage)`` for a schedule.
 
+    ``schedule`` is a name, or a hand-written :class:`Schedule`, whose ``placement`` then says where
+    its model stages live; it must have one rank per device.
+
     Raises:
-        ValueError: a device map for a schedule with several stages per device (it places them itself), or
-            fewer layers than such a schedule's stages.
+        ValueError: a device map for a schedule with several stages per device (it places them itself),
+            fewer layers than such a schedule's stages, or a hand-written schedule for another number of devices.
     """
-    v = stages_per_rank(schedule)
+    if isinstance(schedule, Schedule):
+        if len(devices) != schedule.num_stages:
+            raise ValueError(f"schedule {schedule.name!r} is written for {schedule.num_stages} ranks, got "
+                             f"{len(devices)} devices; give one device per rank")
+        v, label = schedule.virtual, schedule.name
+    else:
+        v, label = stages_per_rank(schedule), schedule
     if v > 1 and isinstance(devices, (list, tuple)) and n_layers < v * len(devices):
         fits = n_layers // v
-        raise ValueError(f"schedule={schedule!r} cuts the layers into {v} stages per device, so {len(devices)} "
+        raise ValueError(f"schedule={label!r} cuts the layers into {v} stages per device, so {len(devices)} "
                          f"devices need at least {v * len(devices)} layers, and the module has {n_layers}; "
                          + (f"use at most {fits} devices, or " if fits else "use ")
                          + "a schedule with one stage per device (e.g. '1f1b')")
@@ -56,9 +65,10 @@ def layout(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap], schedu
     if v == 1:
         return keys, stage_layers, tuple(range(len(keys)))
     if isinstance(devices, dict):
-        raise ValueError(f"schedule={schedule!r} places {stages_per_rank(schedule)} stages on each device "
+        raise ValueError(f"schedule={label!r} places {v} stages on each device "
                          f"itself: give a list of devices, not a device map")
-    placement = make_schedule(schedule, len(keys), 2 * len(keys)).placement  # an m every schedule accepts (DualPipeV: m >= 2p)
+    placement = (schedule.placement if isinstance(schedule, Schedule)  # 2p: an m every named one accepts (DualPipeV)
+                 else make_schedule(schedule, len(keys), 2 * len(keys)).placement)
     _, stage_layers = split_layers(n_layers, [keys[r] for r in placement], "layers")
     return keys, stage_layers, placement
 

@@ -128,7 +128,9 @@ class saved_bytes:
     """
 
     def __init__(self, parameters: Any) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        # a DTensor (FSDP2's sharded parameter) has no storage of its own: its local shard's
+        self._params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                        for p in parameters}
         self.bytes = 0
         self._seen: set[int] = set()
 

@@ -1,4 +1,7 @@
-"""Sharded data parallelism (chapter 06): flat-parameter shards, ZeRO-1/2/3, memory census::
+"""Sharded data parallelism (chapter 06): flat-parameter shards, ZeRO-1/2/3, memory census, checkpoints.
+
+Runs train through the one training entry (``parallel_lib.training``: ``Plan(dp=N, zero=S)``;
+its ``zero_measure`` holds the chapter's measurements)::
 
     python -m parallel_lib.sharding --world-size 2 --stage 3
 """
@@ -6,7 +9,6 @@
 from parallel_lib.sharding.flat import FlatParamGroup, make_buckets, padded_numel, shard_owner
 from parallel_lib.sharding.checkpoint import consolidate, load_full, load_shards, save_shards, shard_state
 from parallel_lib.sharding.layers import StageThreeHooks, layer_modules, mean_durations, simulate_zero3, step_events
-from parallel_lib.sharding.measure import STAGE_RUN, measure_stages, run_many, zero3_timelines
 from parallel_lib.sharding.memory import (
     BYTES_PER_PARAM,
     engine_census,
@@ -15,14 +17,6 @@ from parallel_lib.sharding.memory import (
     zero_memory,
     zero_paper_table,
     zero_traffic,
-)
-from parallel_lib.sharding.train import (
-    STRATEGIES,
-    ShardConfig,
-    ShardResult,
-    build_model,
-    run_sharded,
-    single_process_reference,
 )
 from parallel_lib.sharding.zero import COLLECTIVES, PRECISIONS, STAGES, ZeroEngine
 
@@ -48,16 +42,6 @@ __all__ = [
     "load_shards",
     "consolidate",
     "load_full",
-    "STRATEGIES",
-    "ShardConfig",
-    "ShardResult",
-    "build_model",
-    "run_sharded",
-    "single_process_reference",
-    "STAGE_RUN",
-    "run_many",
-    "measure_stages",
-    "zero3_timelines",
     "STAGES",
     "COLLECTIVES",
     "PRECISIONS",

@@ -5,15 +5,21 @@ pipeline splits ([3] of :mod:`.run`), and calls, every step::
 
     axis.reduce_gradients()        # after the pipeline's backward: the dp mean (or its shard)
     axis.reduced_gradient(p)       # the reduced gradient of p (the tied embedding's sum over the pipeline's ends)
+    axis.clip_grad_norm_(max_norm) # with RunConfig.max_grad_norm: by the global norm of the mean gradient
     axis.step()                    # the optimizer on what this rank owns
 
-and once at the end ``axis.remove()`` (the full parameters back in the model). ``axis.master``
+at the measured step ``axis.census()`` (bytes of parameters, gradients and optimizer states it
+holds; ZeroEngine's is :func:`~parallel_lib.sharding.memory.engine_census`, see
+:func:`~parallel_lib.training.zero_options.axis_census`), and once at the end ``axis.remove()``
+(the full parameters back in the model, as plain tensors). ``axis.master``
 lists the tensors the optimizer updates on this rank (their elements: what the rank owns).
 The pipeline runtime runs the module :func:`data_parallel_axis` returns beside it: the stage
 itself, or a wrapper whose forward the sync needs (PyTorch's ``DistributedDataParallel``).
 
 ``"zero"``: :class:`~parallel_lib.sharding.zero.ZeroEngine` at ``Plan.zero`` (chapter 06; stage
-0 is plain data parallelism, one all-reduce per bucket).
+0 is plain data parallelism, one all-reduce per bucket), with the run's precision, collectives,
+prefetch and bucket size (:mod:`.zero_options`). ``"ddp"``, ``"zero_redundancy"``, ``"fsdp2"``:
+PyTorch's own, for chapter 06's comparisons (:mod:`.torch_sharding`).
 """
 
 from __future__ import annotations
@@ -24,17 +30,21 @@ from torch import nn
 
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.zero import ZeroEngine
+from parallel_lib.training.torch_sharding import WHOLE_MODEL, ddp_axis, fsdp2_axis, zero_redundancy_axis
 
-__all__ = ["SYNCS", "data_parallel_axis"]
+__all__ = ["SYNCS", "WHOLE_MODEL", "data_parallel_axis"]
 
 
 def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, ZeroEngine]:
     return stage, ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,
-                             layer_groups=list(stage.h) or None, group=pm.group("dp"), separate=stage.tied)
+                             precision=run.precision, collectives=run.collectives, bucket_cap_mb=run.bucket_cap_mb,
+                             prefetch=run.prefetch, layer_groups=list(stage.h) or None, group=pm.group("dp"),
+                             separate=stage.tied)
 
 
 # Plan.sync -> how the dp axis is built: (plan, run, stage, rank mesh) -> (module to run, the axis above)
-SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], tuple[nn.Module, Any]]] = {"zero": _zero}
+SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], tuple[nn.Module, Any]]] = {
+    "zero": _zero, "ddp": ddp_axis, "zero_redundancy": zero_redundancy_axis, "fsdp2": fsdp2_axis}
 
 
 def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, Any]:

@@ -13,24 +13,36 @@ parallel run numbers them: each of the ``dp`` replicas' rows runs with its repli
 into ``micro_batches`` forwards (micro-batch ``i`` of step ``k`` is call ``k · micro_batches + i + 1``,
 as :func:`~parallel_lib.training.step.pipeline_step` numbers it). With one replica and one
 micro-batch that is one forward of the whole batch per step.
+
+Chapter 06's options hold here too: ``run.freeze`` leaves those parameters out of AdamW,
+``run.max_grad_norm`` clips with torch's ``clip_grad_norm_``, and a plain checkpoint
+(:mod:`.checkpoints`) is saved (:func:`reference_checkpoint`) and continued (``resume=``) here;
+:func:`plain_checkpoint` turns ZeRO's shards into one.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from parallel_lib.common.checks import positive_int
+from parallel_lib.common.checks import check_int, positive_int
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import from_hf
+from parallel_lib.sharding.checkpoint import consolidate
 from parallel_lib.training.batches import global_batches, replica_rows
+from parallel_lib.training.checkpoints import Checkpoint, to_dense
 from parallel_lib.training.run import ModelBuilder, RunConfig, build_model
+from parallel_lib.training.zero_options import freeze_parameters
 
-__all__ = ["reference"]
+__all__ = ["reference", "reference_checkpoint", "plain_checkpoint"]
 
 
 def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model, dp: int = 1,
-              micro_batches: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+              micro_batches: int = 1, resume: Optional[Checkpoint] = None
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The losses of every step and the final parameters (state-dict names) of one process.
 
     Args:
@@ -41,51 +53,95 @@ def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model,
             dropout each replica draws its own masks).
         micro_batches: the micro-batches each replica's rows are cut into (only dropout's masks,
             numbered by forward, depend on it).
+        resume: a plain checkpoint to continue from (the losses are those of the steps run).
 
     Raises:
         ValueError: see :meth:`RunConfig.check`; ``dp`` or ``micro_batches`` below 1.
     """
+    losses, model, _ = _one_process(run, builder, dp, micro_batches, resume)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_checkpoint(run: RunConfig, steps: int, builder: ModelBuilder = build_model) -> Checkpoint:
+    """The plain checkpoint one process saves after its first ``steps`` of the run's steps.
+
+    Returns:
+        ``(model state, AdamW state, steps)``: what ``train(..., resume=)`` and
+        :func:`reference` (``resume=``) continue from at step ``steps``.
+
+    Raises:
+        ValueError: ``steps`` not in [1, run.steps].
+    """
+    check_int("steps", steps, 1, run.steps)
+    _, model, optimizer = _one_process(run, builder, 1, 1, None, stop=steps)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), steps
+
+
+def plain_checkpoint(shards: Sequence[dict[str, Any]], run: RunConfig, first: int,
+                     builder: ModelBuilder = build_model) -> Checkpoint:
+    """Every rank's ZeRO shard (``TrainResult.shards``) joined into a plain checkpoint that resumes at ``first``.
+
+    Raises:
+        ValueError: shards missing or repeated (:func:`~parallel_lib.sharding.consolidate`), or
+            saved for other trainable parameters.
+    """
+    model_state, optim_state = consolidate(shards)
+    model = builder(run)
+    freeze_parameters(model, run.freeze)
+    dense_order = [n for n, p in model.named_parameters() if p.requires_grad]
+    return (*to_dense(model_state, optim_state, shards[0]["trainable"], dense_order), first)
+
+
+def _one_process(run: RunConfig, builder: ModelBuilder, dp: int, micro_batches: int, resume: Optional[Checkpoint],
+                 stop: Optional[int] = None) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
     run.check()
     positive_int("dp", dp)
     positive_int("micro_batches", micro_batches)
-    if run.dropout:  # the one GPT-2's seeded masks, each replica's and micro-batch's own (see the module docstring)
-        return _with_seeded_dropout(from_hf(builder(run), run.seed), run, dp, micro_batches)
     model = builder(run)
+    if run.dropout:  # the one GPT-2's seeded masks, each replica's and micro-batch's own (see the module docstring)
+        model = from_hf(model, run.seed)
+    freeze_parameters(model, run.freeze)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
+    first = 0
+    if resume is not None:
+        model.load_state_dict(resume[0], strict=False)  # frozen parameters are not in a ZeRO checkpoint
+        optimizer.load_state_dict(resume[1])
+        first = resume[2]
     losses = []
-    for batch in global_batches(run, dp):
+    for k, batch in enumerate(global_batches(run, dp)[first:stop], start=first):
         optimizer.zero_grad(set_to_none=True)
-        logits = model(batch["input_ids"])
-        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
-        ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
-        weights = batch["label_token_weights"].flatten()
-        loss = (ce * weights).sum() / weights.sum()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _with_seeded_dropout(model: GPT2, run: RunConfig, dp: int, micro_batches: int
-                         ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """:func:`reference` with dropout: per step, each replica's micro-batches with their own masks, one gradient."""
-    model.train()
-    stream = model.dropout_stream
-    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
-    losses = []
-    for k, batch in enumerate(global_batches(run, dp)):
-        optimizer.zero_grad(set_to_none=True)
-        total, loss = batch["label_token_weights"].sum(), 0.0
-        for d in range(dp):
-            rows = {key: torch.tensor_split(v, micro_batches) for key, v in replica_rows(batch, d, dp).items()}
-            for i in range(micro_batches):
-                stream.replica, stream.calls = d, k * micro_batches + i  # the forward counts call k·m + i + 1
-                logits = model(rows["input_ids"][i])
-                ce = F.cross_entropy(logits.flatten(0, 1), rows["labels"][i].flatten(), reduction="none")
-                share = (ce * rows["label_token_weights"][i].flatten()).sum() / total
-                share.backward()
-                loss += share.item()
+        loss = _seeded_dropout_step(model, batch, k, dp, micro_batches) if run.dropout else _step(model, batch)
+        if run.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(trainable, run.max_grad_norm)
         optimizer.step()
         losses.append(loss)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, model, optimizer
+
+
+def _step(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """Forward and backward of the whole global batch; its weighted token-mean loss."""
+    logits = model(batch["input_ids"])
+    logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+    ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    weights = batch["label_token_weights"].flatten()
+    loss = (ce * weights).sum() / weights.sum()
+    loss.backward()
+    return loss.item()
+
+
+def _seeded_dropout_step(model: GPT2, batch: dict[str, torch.Tensor], k: int, dp: int, micro_batches: int) -> float:
+    """Step ``k`` with dropout: each replica's micro-batches with their own masks, one gradient."""
+    stream = model.dropout_stream
+    total, loss = batch["label_token_weights"].sum(), 0.0
+    for d in range(dp):
+        rows = {key: torch.tensor_split(v, micro_batches) for key, v in replica_rows(batch, d, dp).items()}
+        for i in range(micro_batches):
+            stream.replica, stream.calls = d, k * micro_batches + i  # the forward counts call k·m + i + 1
+            logits = model(rows["input_ids"][i])
+            ce = F.cross_entropy(logits.flatten(0, 1), rows["labels"][i].flatten(), reduction="none")
+            share = (ce * rows["label_token_weights"][i].flatten()).sum() / total
+            share.backward()
+            loss += share.item()
+    return loss

@@ -24,7 +24,7 @@ from typing import Optional
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES
 from parallel_lib.runtime.mesh import DEFAULT_ORDER, Mesh
-from parallel_lib.training.data_axis import SYNCS
+from parallel_lib.training.data_axis import SYNCS, WHOLE_MODEL
 
 __all__ = ["Plan"]
 
@@ -79,6 +79,12 @@ class Plan:
         if world_size is not None and world_size != mesh.world_size:
             raise ValueError(f"dp * tp * pp must equal world_size={world_size}, got {self.dp} x {self.tp} x "
                              f"{self.pp} = {mesh.world_size}")
+        if self.sync != "zero" and self.zero:
+            raise ValueError(f"zero={self.zero} is the stage of ZeroEngine (sync='zero'); sync={self.sync!r} shards as "
+                             "PyTorch does: leave zero=0")
+        if self.sync in WHOLE_MODEL and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"sync={self.sync!r} shards the whole model over dp: it needs tp=1 and pp=1, got "
+                             f"tp={self.tp}, pp={self.pp}; use sync='zero' to combine sharding with tp or pp")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits activations over the tp axis: it needs tp > 1")
         if self.sequence_parallel and self.zero >= 2:

@@ -19,9 +19,9 @@ A step on rank ``(d, j, t)``:
 [5] run stage j's actions of the schedule with the one pipeline runtime
     (:func:`~parallel_lib.pipeline_parallel.runtime.run_actions`), exchanging with slice t of the
     neighbouring stages over ``pm.group("pp")``, one ``batch_isend_irecv`` per exchange; each
-    micro-batch's forward is numbered for the model's seeded dropout masks as one process numbers
-    its forwards (with one replica and one micro-batch, dropout drops what
-    :func:`~parallel_lib.training.reference` drops: chapter 07's proof);
+    micro-batch's forward is numbered for the model's seeded dropout masks (drawn per replica) as
+    ``reference(run, dp=dp, micro_batches=m)`` numbers its forwards, so with dropout too every
+    layout drops what one process drops (chapter 07's proof);
 [6] reduce the gradients over dp (ZeRO's reduce-scatter or all-reduce), sum the
     sequence-parallel norms' gradients over tp and the tied copies over the pipeline's ends
     (:func:`~parallel_lib.training.stage_gradients.reduce_stage_gradients`);
@@ -50,14 +50,17 @@ from parallel_lib.pipeline_parallel.stage import StageRunner
 from parallel_lib.runtime.collectives import CollectiveCounter, count_collectives
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import RankMesh
-from parallel_lib.sharding.memory import engine_census
+from parallel_lib.sharding.checkpoint import shard_state
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_rows
+from parallel_lib.training.checkpoints import Checkpoint, load_checkpoint
 from parallel_lib.training.data_axis import data_parallel_axis
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.stage_gradients import reduce_stage_gradients
 from parallel_lib.training.step import pipeline_step, stage_on_device
 from parallel_lib.training.tp_stage import dense_state
+from parallel_lib.training.zero_options import (axis_census, check_zero_options, freeze_parameters, measured_step,
+                                                trace_collectives, zero_padding)
 
 __all__ = ["RunConfig", "TrainResult", "train", "train_many", "build_model", "check_layout"]
 
@@ -85,6 +88,14 @@ class RunConfig:
     timeout: float = 60.0           # seconds any receive or collective may wait
     return_state: bool = True       # send the trained parameters back (dense names)
     timeline_steps: int = 0         # record the first steps' compute and communication events (TrainResult.events)
+    precision: str = "fp32"         # ZeRO: "bf16" parameters and gradients with an fp32 master (chapter 06)
+    collectives: str = "torch"      # ZeRO's reduce-scatter and all-gather: "torch" or the course's "ring"
+    prefetch: bool = False          # ZeRO-3: all-gather the next layer group while this one computes
+    bucket_cap_mb: float = 25.0     # gradient bucket size (MB)
+    freeze: tuple[str, ...] = ()    # dense parameter names that do not train (here and in the reference)
+    max_grad_norm: float = 0.0      # clip the mean gradient to this global L2 norm before each step (0: off)
+    measure_step: int = -1          # the step whose census and collectives TrainResult reports (-1: the last)
+    return_shards: bool = False     # ZeRO: send this rank's checkpoint shard back (sharding.shard_state)
 
     def overrides(self) -> dict[str, int]:
         """``build_gpt2`` overrides of depth and width."""
@@ -117,6 +128,7 @@ class RunConfig:
             check_number(name, getattr(self, name), 0.0, strict=True)
         if self.seq_len > self.shape["n_positions"]:
             raise ValueError(f"seq_len must be <= n_positions={self.shape['n_positions']}, got seq_len={self.seq_len}")
+        check_zero_options(self)
 
 
 def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -> None:
@@ -128,20 +140,23 @@ def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -
     run.check()
     shape = run.shape
     plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
+    check_zero_options(run, plan)
 
 
 def build_model(run: RunConfig) -> GPT2LMHeadModel:
     """The dense model every rank and the reference start from (the run's seed)."""
-    return build_gpt2(run.model, run.vocab_size, run.seed, resid_pdrop=run.dropout, attn_pdrop=run.dropout,
-                      embd_pdrop=run.dropout, **run.overrides())
+    model = build_gpt2(run.model, run.vocab_size, run.seed, resid_pdrop=run.dropout, attn_pdrop=run.dropout,
+                       embd_pdrop=run.dropout, **run.overrides())
+    model.loss_type = "ForCausalLM"  # the loss of ``labels=`` (chapter 06's census); unset, transformers warns
+    return model
 
 
 @dataclass
 class TrainResult:
     """What one rank measured and trained.
 
-    ``traffic`` is the last step's collectives by mesh axis ("dp", "tp", "pp", "tied"; "local":
-    calls on a group of one rank):
+    ``traffic`` is the measured step's (``run.measure_step``, by default the last) collectives by
+    mesh axis ("dp", "tp", "pp", "tied"; "local": calls on a group of one rank):
     ``{collective: (calls, message bytes)}``; ``wire`` the bytes this rank sent per axis.
     ``state`` holds the parameters this rank's stage trained, by the dense model's names
     (tensor slice 0 of each stage only; empty unless ``run.return_state``).
@@ -162,11 +177,15 @@ class TrainResult:
     parameter_bytes: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)  # the first run.timeline_steps steps (lane: this rank)
+    census: dict[str, int] = field(default_factory=dict)  # the measured step's params, grads, optimizer, total bytes
+    trainable_parameters: int = 0   # Ψ: trainable elements of this rank's stage before sharding (the formulas')
+    padding: int = 0                # ZeRO: elements added to round every flat group up to a multiple of dp
+    shards: Optional[dict] = None   # run.return_shards: sharding.shard_state after the last step
     peak_micro_batches: int = 0     # the most micro-batches whose activations this rank held at once
 
     @property
     def collectives(self) -> dict[str, tuple[int, int]]:
-        """The last step's collectives over every axis together: ``{collective: (calls, message bytes)}``.
+        """The measured step's collectives over every axis together: ``{collective: (calls, message bytes)}``.
 
         Calls on a group of one rank (``traffic["local"]``), which send nothing, are left out.
         """
@@ -181,7 +200,7 @@ class TrainResult:
 
     @property
     def wire_bytes(self) -> float:
-        """The bytes this rank sent in the last step, every axis together."""
+        """The bytes this rank sent in the measured step, every axis together."""
         return sum(self.wire.values())
 
 
@@ -189,7 +208,7 @@ ModelBuilder = Callable[[RunConfig], GPT2LMHeadModel]  # the dense model from th
 
 
 def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
-          builder: ModelBuilder = build_model) -> TrainResult:
+          builder: ModelBuilder = build_model, resume: Optional[Checkpoint] = None) -> TrainResult:
     """Train the plan's shard on this rank; the worker function for ``launch``.
 
     Args:
@@ -197,6 +216,8 @@ def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
         plan: which parallelism on which axis.
         run: the model, batches and optimizer (the same on every rank).
         builder: builds the dense model from ``run`` (every rank, the same weights).
+        resume: a plain checkpoint ``(model state, AdamW state, first step)`` by the dense model's
+            names (:mod:`.checkpoints`) to continue from: steps before ``first step`` are skipped.
 
     Raises:
         ValueError: a plan or run that cannot work (named in the message).
@@ -207,7 +228,7 @@ def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
     check_layout(plan, run, world_size)
     with plan.mesh.build(run.timeout) as pm:  # every group, made once; destroyed when the run ends
         try:
-            return _train(pm, plan, run, builder)
+            return _train(pm, plan, run, builder, resume)
         finally:  # a peer still waiting for a message times out naming it, instead of seeing the group vanish
             leave_together(pm.group("pp"), run.timeout)
 
@@ -217,17 +238,21 @@ def train_many(rank: int, world_size: int, jobs: Sequence[tuple[Plan, RunConfig]
     return [train(rank, world_size, plan, run) for plan, run in jobs]
 
 
-def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> TrainResult:
+def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder,
+           resume: Optional[Checkpoint]) -> TrainResult:
     d, j, t = pm.index("dp"), pm.index("pp"), pm.index("tp")
     dp, pp = pm.size("dp"), pm.size("pp")
     who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t})"
     device = rank_device()
     sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed,  # [1]
                                  dropout_replica=d)  # each replica its own dropout masks
+    freeze_parameters(sharded, run.freeze)
     stage = stage_on_device(sharded, j, pp, device, keep_shard=run.return_state)  # [2] only the stage moves
     stage.train()
     parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+    trainable = sum(p.numel() for p in stage.parameters() if p.requires_grad)
     module, engine = data_parallel_axis(plan, run, stage, pm)  # [3] plan.sync: ZeRO over dp by default
+    first = load_checkpoint(engine, resume, run)
     runner = StageRunner(module, device, first=stage.first)
     pipeline = pm.peers("pp")
     link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
@@ -235,33 +260,41 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder) -> T
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
     record, clock = TrainRecord(), DeviceClock([device])
     recorder, lane = TimelineRecorder(device=device), f"rank {pm.rank}"  # a GPU: CUDA events, read after the steps
-    counter, activations, peak = CollectiveCounter(), 0, 0
+    counter, activations, peak, census, measured = CollectiveCounter(), 0, 0, {}, measured_step(run)
     for k, batch in enumerate(global_batches(run, dp)):
+        if k < first:  # resumed: these steps are in the checkpoint
+            continue
         tokens = float(batch["label_token_weights"].sum())
         mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
         traced = k < run.timeline_steps
         if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
             wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
             recorder.reset()
+        trace_collectives(engine, recorder if traced else None, plan)  # dp alone: ZeRO's collectives too
         timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
         start = clock()
-        with count_collectives() as counter:
+        with count_collectives() as step_counter:
             loss, saved, in_flight = pipeline_step(stage, runner, link, pipeline, schedule, j, mine,  # [5]
                                                    tokens / dp, plan.recompute,
                                                    forwards_before=k * plan.micro_batches, record=timed)
             activations, peak = activations if k else saved, max(peak, in_flight)
             comm = (lambda label: recorder.record(lane, "comm", None, label)) if traced else None
             reduce_stage_gradients(engine, stage, pm, who, run.timeout, comm)  # [6]
-            census = engine_census(engine)  # between backward and step: the most this rank holds
+            if k == measured:  # between backward and step: the most this rank holds
+                census, counter = axis_census(engine), step_counter
+            if run.max_grad_norm:  # by the global norm of the mean gradient
+                engine.clip_grad_norm_(run.max_grad_norm)
             engine.step()  # [7]
         record.append(loss / dp if stage.last else float("nan"), int(tokens), clock() - start)
     traffic, wire = _by_axis(counter, pm)
     held = census["total"]
     owned = sum(t.numel() for t in engine.master)
+    shards = shard_state(engine) if run.return_shards else None
     engine.remove()  # ZeRO-3: the full parameters back in the model
     state = dense_state(stage, pp, gather_dense(stage.model)) if run.return_state else {}
     return TrainResult(pm.rank, pm.coords, plan, record, traffic, wire, held, owned, activations, parameter_bytes,
-                       state if t == 0 else {}, list(recorder.events), peak_micro_batches=peak)
+                       state if t == 0 else {}, list(recorder.events), census, trainable, zero_padding(engine), shards,
+                       peak_micro_batches=peak)
 
 
 def _by_axis(counter: CollectiveCounter, pm: RankMesh) -> tuple[dict[str, dict[str, tuple[int, int]]],
