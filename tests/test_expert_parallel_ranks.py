@@ -99,4 +99,4 @@ def test_bad_splits_and_absent_peers_are_named(ranks):
         assert r["refusals"]["wrong_split"] == (f"ValueError: the ep group's {ep} ranks must divide "
                                                 f"n_experts={2 * ep - 1}: each rank holds n/ep experts")
     assert results[0]["refusals"]["timeout"].startswith(
-        "TimeoutError: rank 0 (rank 0 of its ep group): the all-to-all of counts did not finish within timeout=1 s")
+        "TimeoutError: rank 0 (rank 0 of its ep group): the all-to-all of counts: nothing within timeout=1 s")

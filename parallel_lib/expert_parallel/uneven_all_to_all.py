@@ -17,29 +17,20 @@ names this rank and the exchange, never a hang.
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parallel_lib.common.checks import positive_number
+from parallel_lib.runtime.waiting import wait_for
 
 __all__ = ["exchange_counts", "all_to_all", "AllToAll"]
 
 
 def _wait(work: Any, timeout: float, what: str, group: Any) -> None:
-    """Wait for ``work``; a failure names this rank, the exchange, and whether it timed out or a peer failed."""
-    start = time.monotonic()
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as error:
-        waited, who = time.monotonic() - start, f"rank {dist.get_rank()} (rank {dist.get_rank(group)} of its ep group)"
-        if waited >= 0.99 * timeout:
-            raise TimeoutError(f"{who}: {what} did not finish within timeout={timeout:g} s; a peer is slower, stuck "
-                               f"or never reached it ({error})") from error
-        raise RuntimeError(f"{who}: {what} failed after {waited:.1f} s: a peer failed first ({error})") from error
+    """Wait for ``work`` (:func:`~parallel_lib.runtime.waiting.wait_for`); a failure names this rank and the exchange."""
+    wait_for(work, timeout, f"rank {dist.get_rank()} (rank {dist.get_rank(group)} of its ep group): {what}")
 
 
 def exchange_counts(counts: torch.Tensor, group: Any, timeout: float = 60.0) -> torch.Tensor:
