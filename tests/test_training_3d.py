@@ -6,8 +6,8 @@ rank's counted traffic per mesh axis and its tensor census must equal
 
 Starting eight ranks is the slow part (each imports torch and transformers), so ONE launch
 runs every plan: 1F1B with plain data parallelism on the course's grid order, GPipe with
-recomputation and ZeRO-1 on Megatron's default order, 1F1B with ZeRO-2, GPipe with ZeRO-3 (its
-census; its traffic is not in the formula), and 8 replicas with ZeRO-1 on a model whose flat
+recomputation and ZeRO-1 on Megatron's default order, 1F1B with ZeRO-2, GPipe with ZeRO-3 (two
+all-gathers and a reduce-scatter per layer group and micro-batch), and 8 replicas with ZeRO-1 on a model whose flat
 group needs padding. The model is tiny
 GPT-2 narrowed to 32 features, the sequences 8 tokens: the point is the bookkeeping, not the
 arithmetic. AdamW with eps = 1e-3 (as in test_layouts): its update then depends on the
@@ -104,9 +104,11 @@ def test_stage_formulas_add_up_to_chapter_07s(tp, pp):
         {k: (m * c, m * b) for k, (c, b) in whole.items()}
 
 
-def test_the_dp_formula_refuses_zero_3():
+def test_the_dp_formula_refuses_zero_3_with_recomputation():
+    with pytest.raises(ValueError, match="zero=3 with recompute"):
+        expected_traffic(SHAPE, 2, 2, 2, 0, 2, 2, 2, 8, recompute=True, zero=3)
     with pytest.raises(ValueError, match="zero"):
-        expected_traffic(SHAPE, 2, 2, 2, 0, 2, 2, 2, 8, zero=3)
+        expected_traffic(SHAPE, 2, 2, 2, 0, 2, 2, 2, 8, zero=4)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -144,16 +146,19 @@ def test_each_axis_traffic_and_the_census_equal_the_formulas(launched, name):
         assert len(groups) == (2 if plan.pp > 1 and (first or last) else 1) or plan.zero == 3  # tied alone, 1 bucket
         assert r.num_parameters == owned_parameters(groups, plan.zero, plan.dp)
         assert r.state_bytes == state_bytes(groups, plan.zero, plan.dp), r.rank
-        if plan.zero == 3:  # its all-gathers per layer and micro-batch are not in the formula
-            continue
         expected = expected_traffic(shape, plan.dp, plan.tp, plan.pp, j, blocks, plan.micro_batches, rows,
                                     run.seq_len, plan.recompute, plan.zero)
         assert {k: v for k, v in r.traffic.items() if v} == {k: v for k, v in expected.items() if v}, r.rank
         if plan.zero <= 1:  # the ring: each rank sends 2 (N - 1) / N of its padded flat groups, the ZeRO paper's
             assert r.wire["dp"] == pytest.approx(zero_traffic(sum(groups), plan.dp, plan.zero, "fp32"), rel=1e-12)
             assert r.wire["dp"] == pytest.approx(ring_wire_bytes("all_reduce", 4 * sum(groups), plan.dp), rel=1e-12)
-        else:  # ZeRO-2 reduce-scatters after every micro-batch's backward: m + 1 halves of the ring
+        elif plan.zero == 2:  # ZeRO-2 reduce-scatters after every micro-batch's backward: m + 1 halves of the ring
             assert r.wire["dp"] == (plan.micro_batches + 1) * (2 - 1) / 2 * 4 * sum(groups)
+        else:  # ZeRO-3: two all-gathers and a reduce-scatter per micro-batch, 3m halves of the ring (issue #21)
+            assert r.wire["dp"] == 3 * plan.micro_batches * (2 - 1) / 2 * 4 * sum(groups)
+        # the cost package's formula, micro-batches included, is what the counter saw
+        assert r.wire["dp"] == pytest.approx(zero_traffic(sum(groups), plan.dp, plan.zero, "fp32",
+                                                          micro_batches=plan.micro_batches), rel=1e-12)
         assert r.wire["tp"] == wire_bytes(expected["tp"], plan.tp)
 
 

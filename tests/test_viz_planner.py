@@ -42,16 +42,19 @@ def test_the_predicted_step_spans_compute_then_collectives_and_optimizer_on_ever
 
 
 def test_memory_bars_draw_state_and_activations_in_gib_and_hatch_the_misfits():
-    plan = published_plan("Llama-style 8B", "V100", 8, 64)  # 16 bytes per parameter: much does not fit
+    plan = published_plan("Llama 3 8B", "V100", 8, 64)  # 16 bytes per parameter: much does not fit
     shown = list(plan.ranked[:2]) + [c for c in plan.rejected if c.priced][:2]
     assert len(shown) == 4 and not shown[-1].fits
     fig = memory_bars(shown, plan.memory_per_device)
-    bars = fig.axes[0].patches
-    assert len(bars) == 2 * len(shown)  # state, then activations, per layout
-    for k, c in enumerate(shown):
-        state, acts = bars[2 * k], bars[2 * k + 1]
+    bars = list(fig.axes[0].patches)
+    # state, then activations, per layout (and between them ZeRO-3's gathered working set)
+    assert len(bars) == 2 * len(shown) + sum(1 for c in shown if c.priced.working_bytes)
+    for c in shown:
+        state = bars.pop(0)
+        working = bars.pop(0).get_width() if c.priced.working_bytes else 0.0
+        acts = bars.pop(0)
         assert state.get_width() == pytest.approx(c.priced.state_bytes / 2**30)
-        assert acts.get_x() == pytest.approx(state.get_width())
+        assert acts.get_x() == pytest.approx(state.get_width() + working)
         assert acts.get_width() == pytest.approx(c.priced.activation_bytes / 2**30)
         assert bool(state.get_hatch()) == (not c.fits)
     plt.close(fig)
@@ -83,7 +86,21 @@ def test_the_widget_opens_on_the_static_figures_job_and_redraws_on_a_change():
 
     panel = planner_widget()
     controls = [c for row in panel.children[:-1] for c in row.children]
-    assert [c.value for c in controls] == ["Llama-style 8B", "H100", 64, 256]  # figures.py's planner_widget_ch10
+    assert [c.value for c in controls] == ["Llama 3 8B", "H100", 64, 256]  # figures.py's planner_widget_ch10
     assert isinstance(panel.children[-1], widgets.Output)
     controls[2].value = 8  # redraws without raising
     plt.close("all")
+
+
+def test_a_zero3_bar_shows_its_gathered_working_set_between_state_and_activations():
+    from parallel_lib.planner.search import Candidate
+
+    layouts = [Layout(dp=8, zero=3, dtype="bf16"), Layout(dp=8, zero=1, dtype="bf16")]
+    shown = [Candidate(_priced(layout), layout) for layout in layouts]
+    fig = memory_bars(shown, 80 * 2**30)
+    state, working, acts, *others = fig.axes[0].patches
+    assert len(others) == 2  # ZeRO-1: state and activations only
+    assert working.get_x() == pytest.approx(state.get_width())
+    assert working.get_width() == pytest.approx(shown[0].priced.working_bytes / 2**30) and working.get_width() > 0
+    assert acts.get_x() == pytest.approx(state.get_width() + working.get_width())
+    plt.close(fig)

@@ -16,6 +16,8 @@ against ``dist.all_reduce`` (``Results.max_error``, printed under the table).
 
 from __future__ import annotations
 
+import math
+
 import argparse
 import statistics
 from dataclasses import dataclass, field, replace
@@ -77,7 +79,8 @@ class Results:
         return bus_bandwidth(self.algbw(variant, nbytes), self.config.world_size)
 
     def model_seconds(self, nbytes: int) -> float:
-        if self.fit_error:
+        """The fitted model's seconds for ``nbytes``; NaN (printed as such) when nothing was fitted."""
+        if self.fit_error or not (math.isfinite(self.bandwidth) and math.isfinite(self.latency)):
             return float("nan")
         return allreduce_cost(nbytes, self.config.world_size, self.bandwidth, self.latency)
 

@@ -7,7 +7,8 @@ activations, each with its source), and :func:`memory_report` measures the same
 quantities on a model placed by :func:`parallel_lib.model_parallel.parallelize`,
 device by device, so a reader can hold the estimate against the measurement.
 
-Sizes are in bytes; "GB" in prose means 10**9 bytes, "GiB" 2**30.
+Sizes are in bytes, memory shown in GiB (2**30); the convention is stated once in
+:mod:`parallel_lib.cost.units`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from parallel_lib.common.checks import check_int, check_number, positive_int, positive_number
+from parallel_lib.cost.units import GiB  # a "16 GB" V100 holds 16 GiB
 from parallel_lib.model_parallel.placing import placement
 from parallel_lib.runtime.device import DeviceKey, resolve_device
 
@@ -40,7 +42,6 @@ __all__ = [
     "GiB",
 ]
 
-GiB = 2**30  # a "16 GB" V100 holds 16 GiB
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 values the optimizer keeps per parameter: Adam's first and second moments, SGD's momentum
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}

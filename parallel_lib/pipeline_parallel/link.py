@@ -11,10 +11,10 @@ Why pair them. NCCL blocks a send larger than its eager buffer (about 4 MiB; a 1
 GPT-2's activation is ~25 MB) until the peer has posted the matching receive, and runs a
 rank's operations in order. If stage j posts "send activation" while stage j+1 posts
 "send gradient", each waits for a receive the other has not posted yet: deadlock. In one
-batch, a send and a receive progress together. Gloo buffers sends, so a CPU run never
-shows the problem; :func:`find_deadlock` replays exchange plans under NCCL's rule (every
-message waits for its partner) so a CPU test can show that the paired plan completes and
-the unpaired one does not.
+batch, a send and a receive progress together. Gloo's blocking send waits for its receive
+as well (it does not buffer), so the rule is not NCCL's alone; :func:`find_deadlock` replays
+exchange plans under it (every message waits for its partner) so a CPU test can show that the
+paired plan completes and the unpaired one does not.
 
 No tags: NCCL ignores them. Messages between two ranks match in the order they were
 posted, per direction, and each stage's plan follows the schedule's order, so the k-th
@@ -33,10 +33,8 @@ and refuses a schedule neither can run.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
@@ -44,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel_lib.pipeline_parallel.schedule import Action, Schedule, action_ready
+from parallel_lib.runtime.waiting import wait_for  # re-exported: the stages' waits
 
 __all__ = ["Message", "Exchange", "exchange_plan", "round_plans", "plan_exchanges", "find_deadlock", "StageLink",
            "TensorSpec", "wait_for", "leave_together"]
@@ -278,23 +277,6 @@ def _partners_posted(j: int, at: list[int], posted: dict[tuple[str, int, int, in
             if at[partner_stage] < partner_exchange:
                 return False
     return True
-
-
-def wait_for(work: Any, timeout: float, what: str) -> None:
-    """Wait for a send, receive or collective; its failure names what waited for what.
-
-    Raises:
-        TimeoutError: nothing came within ``timeout`` seconds.
-        RuntimeError: the peer failed first (gloo reports a closed connection).
-    """
-    start = time.monotonic()
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as error:
-        waited = time.monotonic() - start
-        if waited >= 0.99 * timeout:
-            raise TimeoutError(f"{what}: nothing within timeout={timeout:g} s ({error})") from error
-        raise RuntimeError(f"{what}: failed after {waited:.1f} s ({error})") from error
 
 
 def leave_together(group: Any, timeout: float) -> None:

@@ -13,6 +13,10 @@ Sources:
   NVLink 3 600 GB/s per GPU.
 - NVIDIA V100 Tensor Core GPU datasheet (SXM2): 125 TFLOP/s fp16 tensor cores (no bf16), 900 GB/s HBM2,
   16 or 32 GB, NVLink 2 300 GB/s per GPU.
+- Memory is binary (:mod:`parallel_lib.cost.units`): the "80 GB" of an A100 is 81,920 MiB = 80 GiB as
+  NVML reports it, an H100's 81,559 MiB = 79.65 GiB (Modal's table of NVML figures, named there); a
+  V100 32GB is taken at its nominal 32 GiB. Reading "80 GB" as 80·10⁹ bytes (74.5 GiB) made Llama 3
+  405B's published layout look 0.6 GiB too big for its card.
 - InfiniBand across nodes: one 400 Gb/s NDR adapter per GPU (DGX H100) is 50 GB/s per direction; one
   200 Gb/s HDR adapter per GPU (DGX A100) 25 GB/s; DGX-1 (V100) has 4 × 100 Gb/s EDR for 8 GPUs, 6.25 GB/s per GPU.
 - Latency per ring step: a few microseconds inside a node (NVLink), ~10 µs across InfiniBand — an
@@ -24,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.cost.units import GiB, MiB
 from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed
 
 __all__ = ["GPU", "GPUS", "published_calibration", "published_table"]
@@ -31,19 +36,29 @@ __all__ = ["GPU", "GPUS", "published_calibration", "published_table"]
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator's published figures (bytes and bytes/s in powers of ten)."""
+    """One accelerator's published figures: memory in GiB (binary), rates in bytes/s (powers of ten)."""
 
     name: str
     flops_bf16: float           # dense bf16 (V100: fp16) tensor-core FLOP/s
     hbm_bandwidth: float        # bytes/s
-    memory_gb: float            # GB as the datasheet says
+    memory_gib: float           # GiB a program can allocate (NVML's total; the datasheet's "GB" is binary)
     nvlink: float               # bytes/s per direction, inside a node
     network: float              # bytes/s per direction per GPU, across nodes
     source: str
 
+    @property
+    def memory_bytes(self) -> float:
+        """The card's memory in bytes."""
+        return self.memory_gib * GiB
+
+    @property
+    def memory_gb(self) -> float:
+        """The card's memory in 10**9 bytes (85.5 for an H100 80GB): ``memory_gb * 1e9`` is its bytes."""
+        return self.memory_bytes / 1e9
+
 
 GPUS: dict[str, GPU] = {
-    "H100": GPU("H100 SXM5 80GB", 989e12, 3.35e12, 80, 450e9, 50e9,
+    "H100": GPU("H100 SXM5 80GB", 989e12, 3.35e12, 81_559 * MiB / GiB, 450e9, 50e9,
                 "NVIDIA H100 datasheet; DGX H100: 8 x 400 Gb/s NDR InfiniBand"),
     "A100": GPU("A100 SXM4 80GB", 312e12, 2.039e12, 80, 300e9, 25e9,
                 "NVIDIA A100 datasheet; DGX A100: 8 x 200 Gb/s HDR InfiniBand"),
@@ -72,5 +87,5 @@ def published_calibration(gpu: str, gpus_per_node: int = 8) -> Calibration:
 
 def published_table() -> list[list[object]]:
     """Rows for :func:`parallel_lib.common.tables.markdown_table`: every GPU's published figures."""
-    return [[g.name, f"{g.flops_bf16 / 1e12:.0f}", f"{g.hbm_bandwidth / 1e12:.2f}", f"{g.memory_gb:g}",
+    return [[g.name, f"{g.flops_bf16 / 1e12:.0f}", f"{g.hbm_bandwidth / 1e12:.2f}", f"{g.memory_gib:.2f}",
              f"{g.nvlink / 1e9:.0f}", f"{g.network / 1e9:.2f}", g.source] for g in GPUS.values()]

@@ -5,7 +5,10 @@ Every number comes from code a chapter verified, not from a new formula:
 - parameters per rank: :func:`parallel_lib.tensor_parallel.cost.shard_parameters` (chapter 07) for a
   block and the embedding, the stages split by ``split_layers``'s rule (chapter 04: the first stages
   take one block more), the tied head's copy on the last stage (chapter 05's DP×PP run holds one);
-- model state per rank: :func:`parallel_lib.sharding.memory.zero_memory` (chapter 06) of those parameters;
+- model state per rank: :func:`parallel_lib.cost.zero.zero_memory` (chapter 06) of those parameters
+  (what a rank keeps between steps, the tensor census); under ZeRO-3 also the working set
+  :func:`~parallel_lib.cost.zero.zero3_working_set`, what the rank gathers while it computes (the
+  embeddings and head, a block, the prefetched next block, and their whole gradients);
 - activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
   sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
   (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
@@ -13,7 +16,9 @@ Every number comes from code a chapter verified, not from a new formula:
   :func:`~parallel_lib.tensor_parallel.cost.training_flops`; tensor-parallel collectives from
   :func:`~parallel_lib.tensor_parallel.cost.step_collectives`; the pipeline replayed by
   :func:`parallel_lib.pipeline_parallel.simulator.simulate_schedule` with those costs and the send time;
-  then the data-parallel collectives of the ZeRO stage and the optimizer on the rank's share.
+  then the data-parallel collectives of the ZeRO stage (:func:`dp_collectives`: ZeRO-2 reduce-scatters
+  every micro-batch's gradients, ZeRO-3 gathers the parameters twice per micro-batch) and the
+  optimizer on the rank's share.
 
 Nothing overlaps: the course's engines run the gradient collectives after the backward pass
 (chapter 05's DP×PP, chapter 07's TP×DP) and the tensor-parallel all-reduces between the layers'
@@ -27,15 +32,15 @@ from functools import lru_cache
 from typing import Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
+from parallel_lib.cost.zero import zero3_working_set, zero_collectives, zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import Calibration
-from parallel_lib.sharding.memory import zero_memory
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "price", "SCHEDULES"]
+__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "price", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
@@ -125,21 +130,36 @@ def stage_blocks(n_layer: int, pp: int) -> list[int]:
 
 
 def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
-    """(one block's, the embedding+positions', ln_f's) parameters on a tp rank, from ``shard_parameters``."""
-    no_blocks = replace(shape, n_layer=0)
-    block = shard_parameters(replace(shape, n_layer=1), tp) - shard_parameters(no_blocks, tp)
-    ln_f = 2 * shape.n_embd
-    return block, shard_parameters(no_blocks, tp) - ln_f, ln_f
+    """(one block's, the first stage's extra, the last stage's extra) parameters on a tp rank (one stage: both)."""
+    shard_parameters(shape, tp)  # checks that tp divides the heads and the vocabulary
+    outer = shape.outer_parameters(tp)
+    return shape.block_parameters(tp), outer["embedding"], outer["final_norm"] + outer["head"]
 
 
 def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
-    """Parameters each pipeline stage's rank holds; the last stage keeps its own copy of the tied head."""
-    block, embedding, ln_f = _block_and_rest(shape, tp)
+    """Parameters each pipeline stage's rank holds; with a tied head the last stage keeps its own copy of it."""
+    block, embedding, last = _block_and_rest(shape, tp)
     blocks = stage_blocks(shape.n_layer, pp)
     out = [b * block for b in blocks]
     out[0] += embedding
-    out[-1] += ln_f + (shape.vocab_size * shape.n_embd // tp if pp > 1 else 0)
+    out[-1] += last + (shape.vocab_size * shape.n_embd // tp if pp > 1 and shape.tied_head else 0)
     return out
+
+
+def dp_collectives(layout: Layout, params: int, blocks: int) -> dict[str, tuple[int, float]]:
+    """One step's collectives of a rank over its dp group: ``{collective: (calls, message bytes)}``.
+
+    :func:`~parallel_lib.cost.zero.zero_collectives` of the rank's ``params`` in the layout's dtype,
+    as flat groups: ``grad_collectives`` of them at ZeRO-0 (chapter 07's TP × DP all-reduces each
+    tensor: a latency per call), one at ZeRO-1/2, one per block plus one for the rest at ZeRO-3;
+    ZeRO-2 reduce-scatters once per micro-batch and ZeRO-3 gathers twice per micro-batch. Empty
+    without data parallelism.
+    """
+    if layout.dp == 1:
+        return {}
+    n = layout.grad_collectives if layout.zero == 0 else blocks + 1 if layout.zero == 3 else 1
+    grad_bytes = params * DTYPE_BYTES[layout.dtype]
+    return zero_collectives([grad_bytes / n] * n, layout.zero, layout.micro_batches)
 
 
 @dataclass(frozen=True)
@@ -148,7 +168,7 @@ class Priced:
 
     layout: Layout
     params: int                  # parameters on the busiest rank
-    state_bytes: float           # parameters + gradients + optimizer states (ZeRO formula)
+    state_bytes: float           # parameters + gradients + optimizer states between steps (ZeRO formula)
     activation_bytes: float      # peak kept for backward
     in_flight: float             # micro-batches' activations held at the peak (schedule's figure)
     compute: float               # forward + backward of every micro-batch, bubbles included
@@ -156,10 +176,11 @@ class Priced:
     dp_comm: float               # gradient and parameter collectives after the backward pass
     optimizer: float
     bubble: float                # the simulator's (pipeline only)
+    working_bytes: float = 0.0   # ZeRO-3: gathered parameters and their whole gradients while computing
 
     @property
     def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.working_bytes + self.activation_bytes
 
     @property
     def step_seconds(self) -> float:
@@ -168,7 +189,7 @@ class Priced:
 
 def _flops(shape: GPTShape, blocks: int, rows: int, seq: int, head: bool) -> float:
     """Forward + backward FLOPs of ``blocks`` blocks (and the head) on ``rows`` sequences: training_flops' terms."""
-    block = 72 * rows * seq * blocks * shape.n_embd ** 2 * (1 + seq / (6 * shape.n_embd))
+    block = 6 * rows * seq * blocks * shape.matmul_parameters() + 12 * rows * seq * seq * blocks * shape.n_embd
     return block + (6 * rows * seq * shape.n_embd * shape.vocab_size if head else 0.0)
 
 
@@ -212,7 +233,12 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     blocks = stage_blocks(shape.n_layer, L.pp)
     precision = "fp32" if width == 4 else "bf16"
     states = [zero_memory(p, L.dp, L.zero if L.dp > 1 else 0, precision)["total"] for p in params]
-    busiest = max(range(L.pp), key=lambda s: states[s])
+    working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
+    if L.zero == 3 and L.dp > 1:
+        block = _block_and_rest(shape, L.tp)[0]
+        working = [zero3_working_set([block] * b, p - b * block, True, width, width)["total"]
+                   for p, b in zip(params, blocks)]
+    busiest = max(range(L.pp), key=lambda s: states[s] + working[s])
     # activations of one micro-batch on the busiest stage (the 16-bit formulas, scaled to the dtype)
     stage_shape = replace(shape, n_layer=max(blocks))
     if L.recompute:
@@ -251,23 +277,15 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         compute = step * unit
     tp_comm = tp_total * L.micro_batches
 
-    # after the backward pass: ZeRO's (or plain DP's) collectives over the dp ranks, and the optimizer step
+    # ZeRO's (or plain DP's) collectives over the dp ranks, every micro-batch's included; the optimizer step
     p, dp_span = params[busiest], L.tp * L.pp * L.dp
-    grad_bytes = p * width
-    dp_calls: dict = {}
-    if L.dp > 1:
-        if L.zero == 0:  # chapter 07's TP x DP all-reduces each gradient tensor: a latency per call
-            dp_calls = {"all_reduce": (L.grad_collectives, grad_bytes)}
-        elif L.zero in (1, 2):
-            dp_calls = {"reduce_scatter": (1, grad_bytes), "all_gather": (1, grad_bytes)}
-        else:  # per layer group: gathered for forward and again for backward, gradients reduce-scattered
-            groups = max(blocks) + 1
-            dp_calls = {"all_gather": (2 * groups, 2 * grad_bytes), "reduce_scatter": (groups, grad_bytes)}
+    dp_calls = dp_collectives(L, p, max(blocks))
     dp_comm = _collective_seconds(dp_calls, calibration, world, L.dp, dp_span)
-    if L.pp > 1 and L.virtual == 1:  # the tied embedding's gradient between first and last stage
+    if L.pp > 1 and L.virtual == 1 and shape.tied_head:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width
         dp_comm += calibration.link("all_reduce", world, dp_span).seconds("all_reduce", tied, 2)
     total_params = sum(rank_parameters(shape, 1, 1))
     share = p / total_params / (L.dp if L.zero >= 1 else 1)
     optimizer = step_cost.optimizer * share
-    return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble)
+    return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble,
+                  working[busiest])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from parallel_lib.common.checks import positive_int
+from parallel_lib.cost.units import GiB, MiB
 from parallel_lib.inference.serving_memory import check_memory_bytes
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
@@ -50,7 +51,7 @@ class LayoutPlan:
 
     def table(self, top: int = 10) -> list[list[object]]:
         """Rows for :func:`parallel_lib.common.tables.markdown_table`: layout, memory GiB, step s."""
-        return [[c.layout.name, f"{c.priced.memory_bytes / 2**30:.2f}", f"{c.priced.step_seconds:.3g}",
+        return [[c.layout.name, f"{c.priced.memory_bytes / GiB:.2f}", f"{c.priced.step_seconds:.3g}",
                  f"{c.priced.bubble:.0%}"] for c in self.ranked[:top] if c.priced]
 
 
@@ -133,9 +134,11 @@ def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int,
             return
     assert priced is not None
     # GiB for a GPU's memory, MiB for the small jobs a CPU runs: the unit of the memory given
-    unit, size = ("GiB", 2**30) if memory >= 2**30 else ("MiB", 2**20)
+    unit, size = ("GiB", GiB) if memory >= GiB else ("MiB", MiB)
     rejected.append(Candidate(priced, priced.layout,
                               f"{priced.state_bytes / size:.1f} {unit} of model state + "
+                              + (f"{priced.working_bytes / size:.1f} {unit} gathered by ZeRO-3 + "
+                                 if priced.working_bytes else "") +
                               f"{priced.activation_bytes / size:.1f} {unit} of activations ({priced.in_flight:g} "
                               "micro-batch(es) in flight) > "
-                              f"{memory / size:.0f} {unit} per device"))
+                              f"{memory / size:.4g} {unit} per device"))

@@ -1,8 +1,8 @@
 """Part II in the planner: sharded data parallelism (ZeRO) and tensor parallelism as options.
 
 Chapters 06 and 07 each verified a formula against what their code holds and sends: ZeRO's
-model-state bytes per rank and traffic (:func:`parallel_lib.sharding.memory.zero_memory`,
-:func:`~parallel_lib.sharding.memory.zero_traffic`) and tensor parallelism's activation bytes and
+model-state bytes per rank and traffic (:func:`parallel_lib.cost.zero.zero_memory`,
+:func:`~parallel_lib.cost.zero.zero_traffic`) and tensor parallelism's activation bytes and
 collectives (:mod:`parallel_lib.tensor_parallel.cost`). The planner prices the two strategies with
 those very functions, so what it predicts is what the chapters measured:
 
@@ -24,7 +24,7 @@ from parallel_lib.data_parallel.ring import allreduce_cost
 from parallel_lib.model_parallel.memory import (DTYPE_BYTES, OPTIMIZER_STATES, GiB, ModelShape, activation_memory,
                                                 training_memory)
 from parallel_lib.planner.option import Option, ring_bytes
-from parallel_lib.sharding.memory import zero_memory, zero_traffic
+from parallel_lib.cost.zero import zero3_working_set, zero_memory, zero_passes, zero_traffic
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes
 
 __all__ = ["zero_option", "tensor_parallel_option", "GPUS_PER_NODE"]
@@ -48,6 +48,13 @@ def _one_sequence(shape: ModelShape, seq_len: int, dtype: str, attention_scores:
                              recompute) * DTYPE_BYTES[dtype] / 2
 
 
+def _working_set(shape: ModelShape, width: int) -> float:
+    """ZeRO-3's gathered working set of a published shape: blocks of 12h² + 13h, the rest outside them."""
+    block = 12 * shape.hidden ** 2 + 13 * shape.hidden
+    outer = max(0, shape.n_params - shape.n_layers * block)
+    return zero3_working_set([block] * shape.n_layers, outer, True, width, width)["total"]
+
+
 def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: float, n_gpus: int,
                 dtype: str = "fp16", optimizer: Optional[str] = "adamw", bandwidth: float = 25e9,
                 attention_scores: bool = False, include_activations: bool = True, recompute: bool = True) -> Option:
@@ -55,7 +62,9 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
 
     Activations are one sequence's (gradient accumulation over the replica's share of the batch);
     where no stage fits, activation recomputation is tried (if ``recompute``) as the last resort.
-    Traffic is :func:`zero_traffic`: stages 1–2 send what DP sends, stage 3 one and a half times.
+    Traffic is :func:`~parallel_lib.cost.zero.zero_traffic` with one micro-batch per sequence: stage 1
+    sends what DP sends, stage 2 ``(m + 1)/2`` times as much (a reduce-scatter per micro-batch), stage 3
+    ``3m/2`` times (the parameters gathered twice per micro-batch).
     """
     replicas = min(n_gpus, batch_size)
     if optimizer is None or replicas < 2:
@@ -69,6 +78,8 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
         acts = _one_sequence(shape, seq_len, dtype, attention_scores, recomputed, include_activations)
         for stage in (1, 2, 3):
             state = zero_memory(shape.n_params, replicas, stage, precision, optimizer_bytes=k)["total"]
+            if stage == 3:  # the gathered embeddings and head, a block and the prefetched next one, and gradients
+                state += _working_set(shape, DTYPE_BYTES[dtype])
             fits = state + acts <= gpu_bytes
             reasons.append(f"ZeRO-{stage}{' with recomputation' if recomputed else ''}: {state / GiB:.1f} GiB of "
                            f"sharded state over {replicas} ranks + {acts / GiB:.1f} GiB of one sequence's "
@@ -77,10 +88,13 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
                 break
         if fits:
             break
-    sent = zero_traffic(shape.n_params, replicas, stage, precision)
-    reasons.append(f"stage {stage} sends {sent / 1e9:.3f} GB per GPU per step ("
-                   f"{'1.5x' if stage == 3 else '1x'} data parallelism); {rows} sequence(s) per rank, "
-                   "one at a time (gradient accumulation)")
+    sent = zero_traffic(shape.n_params, replicas, stage, precision, micro_batches=rows)
+    passes = zero_passes(stage, rows)
+    per_sequence = {2: " (a reduce-scatter of the gradients per sequence)",
+                    3: " (the parameters gathered twice and the gradients reduce-scattered per sequence)"}
+    reasons.append(f"{rows} sequence(s) per rank, one at a time (gradient accumulation): stage {stage} sends "
+                   f"{sent / 1e9:.3f} GB per GPU per step, {passes / 2:g}x data parallelism"
+                   + (per_sequence.get(stage, "") if rows > 1 else ""))
     return Option(f"ZeRO-{stage}" if fits else "ZeRO", replicas, 1, rows, state, acts, 0.0, sent, 0.0,
                   sent / bandwidth, fits, tuple(reasons), recomputed)
 

@@ -35,18 +35,77 @@ NVLINK_H100 = dict(bandwidth=450e9, latency=5e-6)
 
 @dataclass(frozen=True)
 class GPTShape:
-    """The sizes the formulas need (GPT-2's names)."""
+    """The sizes the formulas need (GPT-2's names), for GPT-2 and Llama-family decoders alike.
+
+    The defaults are GPT-2's block: a 4h GELU MLP, multi-head attention, LayerNorms with biases,
+    biases on every linear layer, learned positions and the head tied to the token embedding.
+    A Llama block sets ``ffn_hidden`` and ``gated_mlp`` (SwiGLU: gate, up and down matrices),
+    ``kv_heads`` (grouped-query attention: ``kv_heads`` key/value heads of ``n_embd / n_head``),
+    ``rms_norm`` (a weight, no bias), ``bias=False``, ``learned_positions=False`` (RoPE) and
+    ``tied_head=False``; ``n_positions`` is then only the longest sequence.
+    """
 
     n_layer: int
     n_embd: int
     n_head: int
     vocab_size: int
     n_positions: int
+    ffn_hidden: int = 0              # 0: 4 · n_embd
+    kv_heads: int = 0                # 0: n_head (no grouped-query attention)
+    gated_mlp: bool = False          # SwiGLU's three matrices instead of two
+    rms_norm: bool = False           # RMSNorm (weight only) instead of LayerNorm (weight and bias)
+    bias: bool = True                # biases on the linear layers
+    learned_positions: bool = True   # a position table (GPT-2) or none (RoPE)
+    tied_head: bool = True           # the head is the token embedding
 
     @classmethod
     def of(cls, config: object) -> GPTShape:
         """From a ``GPT2Config``."""
         return cls(*(int(getattr(config, k)) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")))
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.n_embd
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values): ``kv_heads`` heads of ``n_embd / n_head``."""
+        return (self.kv_heads or self.n_head) * (self.n_embd // self.n_head)
+
+    def matmul_parameters(self) -> int:
+        """One block's weight-matrix elements: the FLOPs of a token through it are twice this."""
+        h = self.n_embd
+        return 2 * h * h + 2 * h * self.kv_dim + (3 if self.gated_mlp else 2) * h * self.ffn
+
+    def block_parameters(self, tp: int = 1) -> int:
+        """One block's parameters on a tensor-parallel rank: matrices and column biases /t; norms, row biases whole."""
+        h, norm = self.n_embd, 1 if self.rms_norm else 2
+        column_biases = (h + 2 * self.kv_dim + (2 if self.gated_mlp else 1) * self.ffn) if self.bias else 0
+        row_biases = 2 * h if self.bias else 0
+        return (self.matmul_parameters() + column_biases) // tp + row_biases + 2 * norm * h
+
+    def parameter_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter tensor's shape as Hugging Face's classes hold it (one process, the tied head once).
+
+        GPT-2 (biases, LayerNorm) in ``GPT2LMHeadModel``'s order with its ``Conv1D`` weights stored
+        (in, out); a Llama shape in ``LlamaForCausalLM``'s, ``nn.Linear`` weights stored (out, in).
+        FSDP2 shards each tensor along its first dimension: :func:`parallel_lib.cost.zero.fsdp_shard_numel`.
+        """
+        h, f, kv, V = self.n_embd, self.ffn, self.kv_dim, self.vocab_size
+        if self.bias and not self.rms_norm:  # GPT-2
+            block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,)]
+            out = [(V, h)] + ([(self.n_positions, h)] if self.learned_positions else [])
+            return out + block * self.n_layer + [(h,), (h,)] + ([] if self.tied_head else [(V, h)])
+        block = [(h, h), (kv, h), (kv, h), (h, h)] + ([(f, h), (f, h)] if self.gated_mlp else [(f, h)]) + \
+            [(h, f), (h,), (h,)]
+        return [(V, h)] + block * self.n_layer + [(h,)] + ([] if self.tied_head else [(V, h)])
+
+    def outer_parameters(self, tp: int = 1) -> dict[str, int]:
+        """What is outside the blocks on a tensor-parallel rank: embedding (+ positions), head, final norm."""
+        h = self.n_embd
+        return {"embedding": self.vocab_size * h // tp + (self.n_positions * h if self.learned_positions else 0),
+                "head": 0 if self.tied_head else self.vocab_size * h // tp,
+                "final_norm": (1 if self.rms_norm else 2) * h}
 
 
 def _add(total: Collectives, kind: str, calls: int, nbytes: int) -> None:
@@ -103,14 +162,19 @@ def wire_bytes(collectives: Collectives, tp: int) -> float:
 
 
 def shard_parameters(shape: GPTShape, tp: int) -> int:
-    """Parameters one rank holds: split matrices and column biases /t, layer norms, row biases and positions whole."""
-    check = shape.n_head % tp or shape.vocab_size % tp
-    if check:
-        raise ValueError(f"tp={tp} must divide n_head={shape.n_head} and vocab_size={shape.vocab_size}")
-    h = shape.n_embd
-    split = 12 * h * h + 3 * h + 4 * h  # c_attn, c_proj, c_fc, mlp_proj weights; c_attn and c_fc biases
-    whole = 4 * h + 2 * h              # two layer norms; c_proj and mlp_proj biases
-    return shape.n_layer * (split // tp + whole) + shape.vocab_size * h // tp + shape.n_positions * h + 2 * h
+    """Parameters one rank holds: split matrices and column biases /t, norms, row biases and positions whole.
+
+    GPT-2: ``L · ((12h² + 7h)/t + 6h) + V·h/t + n_positions·h + 2h``; a Llama shape adds its untied head
+    and counts SwiGLU, grouped-query attention and RMSNorm (:meth:`GPTShape.block_parameters`).
+
+    Raises:
+        ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
+    """
+    kv = shape.kv_heads or shape.n_head
+    if shape.n_head % tp or kv % tp or shape.vocab_size % tp:
+        raise ValueError(f"tp={tp} must divide n_head={shape.n_head}, kv_heads={kv} and "
+                         f"vocab_size={shape.vocab_size}")
+    return shape.n_layer * shape.block_parameters(tp) + sum(shape.outer_parameters(tp).values())
 
 
 def activation_bytes(batch: int, seq: int, shape: GPTShape, tp: int = 1, sequence_parallel: bool = False,
@@ -128,9 +192,13 @@ def activation_bytes(batch: int, seq: int, shape: GPTShape, tp: int = 1, sequenc
 
 
 def training_flops(shape: GPTShape, batch: int, seq: int) -> float:
-    """FLOPs of one training step: ``72·b·s·L·h²·(1 + s/(6h) + V/(12·h·L))`` (Narayanan et al. 2021, eq. 3)."""
+    """FLOPs of one training step: ``72·b·s·L·h²·(1 + s/(6h) + V/(12·h·L))`` (Narayanan et al. 2021, eq. 3).
+
+    That is ``6·b·s·(L·P + V·h) + 12·b·s²·L·h`` with ``P = 12h²`` a GPT block's matrices; a Llama
+    shape uses its own ``P`` (:meth:`GPTShape.matmul_parameters`: SwiGLU and grouped-query attention).
+    """
     b, s, L, h, V = batch, seq, shape.n_layer, shape.n_embd, shape.vocab_size
-    return 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    return 6 * b * s * (L * shape.matmul_parameters() + V * h) + 12 * b * s * s * L * h
 
 
 def collective_seconds(collectives: Collectives, tp: int, bandwidth: float, latency: float) -> float:

@@ -28,9 +28,13 @@ step, with ``m`` micro-batches of ``b`` rows, sequence ``s``, width ``h``, 4-byt
                step: ``(dp-1)/dp · ΣP`` each, the same wire bytes as zero 0
       zero 2   the reduce-scatter runs from backward hooks, once per micro-batch's backward
                (``m`` per group), then one all-gather per group
+      zero 3   per micro-batch, every group all-gathered before its forward and again before
+               its backward (freed in between), and reduce-scattered after it: ``2m``
+               all-gathers and ``m`` reduce-scatters per group, nothing after the step
 
-  For zero 0 and 1 the wire bytes are :func:`~parallel_lib.sharding.memory.zero_traffic` of
-  ``ΣP`` values; ZeRO-3's all-gathers per layer and micro-batch are not counted here.
+  These are :func:`~parallel_lib.cost.zero.zero_collectives` of the padded groups, and the wire
+  bytes :func:`~parallel_lib.cost.zero.zero_traffic` of ``ΣP`` values with ``m`` micro-batches.
+  (Under recomputation ZeRO-3's hooks fire on the second forward too: not in this formula.)
 - **tied** (first and last stage of the same slice, when pp > 1): one all-reduce of this
   rank's part of the reduced gradient of the embedding's vocabulary slice, ``V/t · h`` padded
   to a multiple of dp: all of it at zero 0, its 1/dp shard at zero 1-3.
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 
 from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.cost.zero import zero_collectives
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.sharding.flat import make_buckets, padded_numel
 from parallel_lib.sharding.memory import zero_memory
@@ -153,13 +158,17 @@ def expected_traffic(shape: GPTShape, dp: int, tp: int, pp: int, j: int, blocks:
         micro_batches: per replica and step; ``rows``: rows of each micro-batch.
         seq: positions per row.
         recompute: activations recomputed in backward (the forward's collectives run twice).
-        zero: the ZeRO stage over dp, 0-2.
+        zero: the ZeRO stage over dp, 0-3.
         bucket_cap_mb: ZeroEngine's bucket size.
 
     Raises:
-        ValueError: ``zero=3`` (its all-gathers per layer and micro-batch are not in this formula).
+        ValueError: a ZeRO stage outside 0-3, or ``zero=3`` with ``recompute`` (the recomputed forward
+            gathers the layers once more: not in this formula).
     """
-    check_choice("zero", zero, [0, 1, 2])
+    check_choice("zero", zero, [0, 1, 2, 3])
+    if zero == 3 and recompute:
+        raise ValueError("zero=3 with recompute=True: the recomputed forward gathers each layer group again, "
+                         "which this formula does not count; use zero <= 2 or recompute=False")
     first, last = j == 0, j == pp - 1
     act = rows * seq * shape.n_embd * FLOAT
     forwards = 2 if recompute else 1
@@ -182,13 +191,8 @@ def expected_traffic(shape: GPTShape, dp: int, tp: int, pp: int, j: int, blocks:
     _add(traffic["pp"], "recv", recvs, recvs * act)
     groups = dp_groups(shape, tp, blocks, first, last, pp, zero, dp, bucket_cap_mb)
     if dp > 1:  # every padded flat group, whole: the counter records a reduce-scatter's input, an all-gather's output
-        nbytes = sum(groups) * FLOAT
-        if zero == 0:
-            _add(traffic["dp"], "all_reduce", len(groups), nbytes)
-        else:
-            scatters = micro_batches if zero == 2 else 1  # zero 2: from the hooks, after every backward
-            _add(traffic["dp"], "reduce_scatter", scatters * len(groups), scatters * nbytes)
-            _add(traffic["dp"], "all_gather", len(groups), nbytes)
+        for kind, (calls, nbytes) in zero_collectives([g * FLOAT for g in groups], zero, micro_batches).items():
+            _add(traffic["dp"], kind, calls, int(nbytes))
     if pp > 1 and (first or last):  # the tied copy's group comes first
         _add(traffic["tied"], "all_reduce", 1, groups[0] // (dp if zero >= 1 else 1) * FLOAT)
     return traffic

@@ -22,9 +22,11 @@ from matplotlib.figure import Figure
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.common.timeline import Event
+from parallel_lib.cost.units import GiB
 from parallel_lib.pipeline_parallel.simulator import simulate
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Priced, StepCost
+from parallel_lib.planner.published import LLAMA3
 from parallel_lib.planner.search import Candidate, LayoutPlan, plan_layouts
 from parallel_lib.tensor_parallel.cost import GPTShape
 from parallel_lib.viz.timeline import plot_timeline
@@ -33,35 +35,41 @@ from parallel_lib.viz.widgets import figure_panel
 __all__ = ["MODELS", "memory_bars", "predicted_events", "predicted_timeline", "measured_vs_predicted",
            "published_plan", "planner_figure", "planner_widget"]
 
-GiB = 2**30
-# GPT-shaped models (12h² per block) the widget offers: GPT-2 XL's published shape, and the shapes
-# parallel_lib.planner.published uses for Llama 3 8B and 405B and GPT-3 175B (sources named there)
+# The models the widget offers: GPT-2 XL's and GPT-3 175B's published shapes (12h² per block), and
+# Llama 3 8B and 405B as parallel_lib.planner.published shapes them (SwiGLU, GQA, untied head; sources there)
 MODELS: dict[str, tuple[GPTShape, int]] = {   # name -> (shape, sequence length)
     "GPT-2 XL 1.5B": (GPTShape(48, 1600, 25, 50257, 1024), 1024),
-    "Llama-style 8B": (GPTShape(32, 4096, 32, 128256, 4096), 4096),
+    "Llama 3 8B": (LLAMA3["8B"], 4096),
     "GPT-3 175B": (GPTShape(96, 12288, 96, 51200, 2048), 2048),
-    "Llama 3 405B": (GPTShape(126, 16384, 128, 128256, 8192), 8192),
+    "Llama 3 405B": (LLAMA3["405B"], 8192),
 }
 
 
 def memory_bars(candidates: Sequence[Candidate], memory_per_device: float, ax: Optional[Axes] = None,
                 title: str = "") -> Figure:
-    """Stacked bars per layout: model state and activations of the busiest rank; hatched when it does not fit."""
+    """Stacked bars per layout: model state, ZeRO-3's gathered working set (if any) and activations of the busiest
+    rank; hatched when it does not fit."""
     if not candidates:
         raise ValueError("candidates is empty: pass a LayoutPlan's ranked and/or rejected candidates")
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.35 * len(candidates) + 1.2))
+    gathered_label = "ZeRO-3's gathered working set"
     for y, c in enumerate(candidates):
         if c.priced is None:  # refused before pricing (a batch that does not split): no bar to draw
             ax.text(0, y, f"  {c.why_not}", va="center", fontsize=7)
             continue
         hatch = None if c.fits else "//"
         state, acts = c.priced.state_bytes / GiB, c.priced.activation_bytes / GiB
+        working = c.priced.working_bytes / GiB
         ax.barh(y, state, color="#4C72B0", hatch=hatch, edgecolor="white", label="model state" if y == 0 else None)
-        ax.barh(y, acts, left=state, color="#DD8452", hatch=hatch, edgecolor="white",
+        if working:  # ZeRO-3 only
+            ax.barh(y, working, left=state, color="#55A868", hatch=hatch, edgecolor="white",
+                    label=gathered_label)
+            gathered_label = None  # one legend entry
+        ax.barh(y, acts, left=state + working, color="#DD8452", hatch=hatch, edgecolor="white",
                 label="activations" if y == 0 else None)
     ax.axvline(memory_per_device / GiB, color="red", ls="--", lw=1,
-               label=f"memory per device {memory_per_device / GiB:.0f} GiB")
+               label=f"memory per device {memory_per_device / GiB:.4g} GiB")
     ax.set_yticks(range(len(candidates)), [c.layout.name for c in candidates], fontsize=7)
     ax.invert_yaxis()
     ax.set(xlabel="GiB on the busiest rank (hatched: does not fit)", title=title)
@@ -120,12 +128,12 @@ def published_plan(model: str, gpu: str, devices: int, global_batch: int) -> Lay
     shape, seq = MODELS[check_choice("model", model, list(MODELS))]
     g = GPUS[check_choice("gpu", gpu, sorted(GPUS))]
     positive_int("devices", devices)
-    return plan_layouts(shape, devices, g.memory_gb * 1e9, positive_int("global_batch", global_batch), seq,
+    return plan_layouts(shape, devices, g.memory_bytes, positive_int("global_batch", global_batch), seq,
                         published_calibration(gpu), StepCost(0.0, g.flops_bf16), dtype="bf16",
                         schedules=("1f1b", "interleaved"), zero_stages=(0, 1, 3), max_pp=16)
 
 
-def planner_figure(model: str = "Llama-style 8B", gpu: str = "H100", devices: int = 64, global_batch: int = 256,
+def planner_figure(model: str = "Llama 3 8B", gpu: str = "H100", devices: int = 64, global_batch: int = 256,
                    top: int = 6, misfits: int = 4) -> Figure:
     """The widget's picture: memory bars of the ``top`` fastest layouts and ``misfits`` that do not fit, each
     fitting one's predicted step time, and the fastest layout's predicted timeline (published peaks)."""
@@ -155,7 +163,7 @@ def planner_widget() -> Any:
     import ipywidgets as widgets
 
     controls = dict(
-        model=widgets.Dropdown(options=list(MODELS), value="Llama-style 8B", description="model"),
+        model=widgets.Dropdown(options=list(MODELS), value="Llama 3 8B", description="model"),
         gpu=widgets.Dropdown(options=sorted(GPUS), value="H100", description="GPU"),
         devices=widgets.Dropdown(options=[8, 16, 32, 64, 128, 256], value=64, description="devices"),
         global_batch=widgets.Dropdown(options=[64, 256, 1024], value=256, description="batch (seq.)"))

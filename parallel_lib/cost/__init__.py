@@ -1,0 +1,30 @@
+"""The course's cost model, in one place: what a layout holds and sends, as formulas.
+
+Layer 0 (it imports only ``common`` and torch): the chapters, the training runs' checks and the
+planner read the same formulas. Each is tested against the world, never against itself: a
+literal from a paper (with its section), the tensor census of a real run, or the collective
+counter of a real run.
+
+- :mod:`.units`: the one convention: memory in GiB (2**30 bytes; a GPU's "80 GB" is binary), traffic
+  and link speeds in GB (10**9 bytes).
+- :mod:`.zero`: ZeRO's model state per rank (ZeRO-3's gathered working set included, DeepSpeed's
+  estimators beside it) and its traffic per step, micro-batches included.
+"""
+
+from parallel_lib.cost.units import GB, GiB, KiB, MiB
+from parallel_lib.cost.zero import (
+    BYTES_PER_PARAM,
+    deepspeed_estimate,
+    fsdp_shard_numel,
+    megatron_bytes_per_param,
+    zero_collectives,
+    zero_memory,
+    zero_paper_table,
+    zero_passes,
+    zero3_working_set,
+    zero_traffic,
+)
+
+__all__ = ["KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic",
+           "zero_collectives", "zero_paper_table", "megatron_bytes_per_param", "zero3_working_set",
+           "deepspeed_estimate", "fsdp_shard_numel"]

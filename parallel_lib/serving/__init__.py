@@ -1,0 +1,23 @@
+"""Serving GPT-2 the way vLLM does (chapter 13): paged KV cache, continuous batching, prefix caching.
+
+- :mod:`.paged_kv_cache`: one pool of fixed-size blocks per layer, read through block tables;
+- :mod:`.prefix_cache`: full blocks named by a hash chain, kept and evicted least recently used;
+- :mod:`.block_manager`: block tables, reference counts, the free list;
+- :mod:`.scheduler`: iteration-level batching with admission and preemption by recompute;
+- :mod:`.engine`: the one GPT-2 run over them, step by step, with a record of every step;
+- :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
+- :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching.
+"""
+
+from parallel_lib.serving.block_manager import BlockManager, blocks_for
+from parallel_lib.serving.engine import ServingEngine, StepRecord
+from parallel_lib.serving.paged_kv_cache import PagedKVCache, PagedStep, slots_of
+from parallel_lib.serving.prefix_cache import PrefixCache, block_hashes
+from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
+from parallel_lib.serving.trace import (Arrival, TraceMetrics, poisson_trace, replay_continuous, replay_static,
+                                       trace_metrics)
+from parallel_lib.serving.waste import KVWaste, kv_waste
+
+__all__ = ["BlockManager", "blocks_for", "ServingEngine", "StepRecord", "PagedKVCache", "PagedStep", "slots_of",
+           "PrefixCache", "block_hashes", "Scheduled", "Scheduler", "Sequence", "KVWaste", "kv_waste",
+           "Arrival", "TraceMetrics", "poisson_trace", "replay_continuous", "replay_static", "trace_metrics"]
