@@ -120,8 +120,10 @@ def averager_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[
     if plan.sync == "ring":  # chapter 02's ring blocks: its buckets leave after backward, as chapter 02 runs them
         buckets = BucketedAllReduce(stage, bucket_cap_mb=cap, overlap=False,
                                     all_reduce=partial(ring_all_reduce, timeout=run.timeout))
-    else:
+    elif plan.sync == "bucketed":
         buckets = BucketedAllReduce(stage, bucket_cap_mb=cap, overlap=run.overlap, timeout=run.timeout, group=group)
+    else:  # "ddp" is data_axis's (PyTorch's own wrapper, shared with chapter 06)
+        raise ValueError(f"averager_axis builds {[s for s in AVERAGERS if s != 'ddp']}, got sync={plan.sync!r}")
     return stage, AveragingAxis(stage, buckets, optimizer, buckets)
 
 
