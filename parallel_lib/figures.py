@@ -62,13 +62,17 @@ def _dp_partitions() -> Figure:
 
 
 def _dp_throughput() -> Figure:
-    from parallel_lib.data_parallel import DPConfig, run_dp
-    from parallel_lib.runtime import launch, machine_label
+    from parallel_lib.data import global_batch_indices
+    from parallel_lib.runtime import machine_label
+    from parallel_lib.training import Plan, RunConfig, train_layout
     from parallel_lib.viz.dp import render_throughput
 
-    config = DPConfig(model="tiny", batch_size=64, epochs=3, train_examples=1024, val_examples=64)
-    runs = {"1 rank": launch(run_dp, 1, replace(config, batch_size=32), threads_per_rank=1, timeout=600),
-            "2 ranks": launch(run_dp, 2, config, threads_per_rank=1, timeout=600)}
+    epoch = {1: len(global_batch_indices(1024, 1, 32)), 2: len(global_batch_indices(1024, 2, 64))}  # steps
+    run = RunConfig(data="corpus", model="tiny", batch_size=64, seq_len=64, vocab_size=2048, train_examples=1024,
+                    steps=3 * epoch[2], return_state=False)  # 3 epochs
+    one = replace(run, batch_size=32, steps=3 * epoch[1])
+    runs = {"1 rank": (train_layout(Plan(sync="none", micro_batches=1), one, timeout=600), epoch[1]),
+            "2 ranks": (train_layout(Plan(dp=2, sync="bucketed", micro_batches=1), run, timeout=600), epoch[2])}
     return render_throughput(runs, title=f"tiny GPT-2, 32 rows per rank and step, one core per rank; "
                                          f"{machine_label()}")
 

@@ -146,25 +146,26 @@ def test_a_zero3_prefetch_step_on_a_gpu_synchronises_nothing_and_gathers_overlap
 
 
 def test_a_data_parallel_step_on_a_gpu_reads_its_phases_from_events_after_the_step(monkeypatch, one_rank_group):
-    from parallel_lib.data_parallel import DPConfig, dp
+    import parallel_lib.training.run as run_module
+    from parallel_lib.training import PHASES, Plan, RunConfig, train
 
     cuda = install(monkeypatch)
     recorders = []
-    monkeypatch.setattr(dp, "TimelineRecorder", lambda device: recorders.append(TimelineRecorder(device=GPU))
+    monkeypatch.setattr(run_module, "TimelineRecorder", lambda device: recorders.append(TimelineRecorder(device=GPU))
                         or recorders[-1])
     steps = 2
-    config = DPConfig(model="tiny", batch_size=6, max_steps=steps, train_examples=90, val_examples=16,
-                      vocab_size=300, optimizer="sgd", lr=0.5, bucket_cap_mb=0.05, sync="bucketed", timeline_steps=1)
-    result = dp.train_replica(0, 1, config)
+    run = RunConfig(data="corpus", model="tiny", batch_size=6, steps=steps, train_examples=90, vocab_size=300,
+                    seq_len=32, optimizer="sgd", lr=0.5, bucket_cap_mb=0.05, timeline_steps=1)
+    result = train(0, 1, Plan(sync="bucketed", micro_batches=1), run)
     # the zero when the recorder is made and reset before training, the events' read after it: none in a step
     assert cuda.synchronized == ["cuda:0"] * 3
     # data, compute, sync and optimizer: five stamps a step on the compute stream, each read after its step
     # by waiting for that event alone
     phase_stamps = [e for e in cuda.event_waits if e.stream.name == "default"]
     assert len(phase_stamps) == 5 * steps
-    phases = result.local.phases
-    assert set(phases) == set(dp.PHASES) and all(len(v) == steps and min(v) >= 0 for v in phases.values())
-    assert len(result.local.step_times) == steps and min(result.local.step_times) > 0
-    comm = [e for e in result.events if e.kind == "comm"]
+    phases = result.record.phases
+    assert set(phases) == set(PHASES) and all(len(v) == steps and min(v) >= 0 for v in phases.values())
+    assert len(result.record.step_times) == steps and min(result.record.step_times) > 0
+    comm = [e for e in result.events if e.lane == "rank 0 comm"]  # the buckets
     backward = next(e for e in result.events if e.kind == "backward")
     assert len(comm) > 1 and all(e.end <= backward.end for e in comm)  # the buckets overlapped backward

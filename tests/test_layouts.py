@@ -1,7 +1,7 @@
 """Every layout equals one process: the headline proof of the one training entry.
 
-Each plan (DP with ZeRO 0-3, TP with and without sequence parallelism, PP with GPipe and
-1F1B, with and without recomputation, and their combinations up to 8 ranks) trains the tiny
+Each plan (DP with ZeRO 0-3 or chapter 01's averagers, TP with and without sequence parallelism,
+PP with GPipe and 1F1B, with and without recomputation, and their combinations up to 8 ranks) trains the tiny
 GPT-2 for two AdamW steps; every parameter, gathered by its dense name from the ranks that
 hold it, must equal what one process reaches on the same global batches.
 
@@ -29,7 +29,10 @@ LAYOUTS: dict[int, list[Plan]] = {
         Plan(pp=2, schedule="gpipe"), Plan(pp=2, schedule="1f1b", recompute=True)],
     4: [Plan(dp=2, tp=2, zero=1), Plan(dp=2, tp=2, zero=1, sequence_parallel=True), Plan(dp=2, tp=2, zero=3),
         Plan(dp=2, pp=2, zero=2), Plan(dp=2, pp=2, zero=3, schedule="gpipe"),
-        Plan(tp=2, pp=2, recompute=True), Plan(tp=2, pp=2, sequence_parallel=True, schedule="gpipe")],
+        Plan(tp=2, pp=2, recompute=True), Plan(tp=2, pp=2, sequence_parallel=True, schedule="gpipe"),
+        # chapter 01's averagers over the dp axis of a split model (one backward per step: micro_batches=1)
+        Plan(dp=2, tp=2, sequence_parallel=True, sync="bucketed", micro_batches=1),
+        Plan(dp=2, pp=2, sync="ddp", micro_batches=1)],
     8: [Plan(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True),
         Plan(dp=2, tp=2, pp=2, zero=3, schedule="gpipe", recompute=True)],
 }

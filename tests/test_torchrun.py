@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_lib.data_parallel import REHEARSAL, format_command, torchrun_command, train_and_save
-from parallel_lib.data_parallel.scaleout import main
+from parallel_lib.data_parallel import format_command, torchrun_command
+from parallel_lib.training.rehearsal import REHEARSAL, main, train_and_save
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_TIMEOUT_S = 90  # start-up (~5 s of imports per process) plus a few training steps, with room for load
@@ -45,7 +45,7 @@ def _session_alive(pgid: int) -> bool:
 
 
 def _start_node(out: Path, port: int, run_id: str) -> subprocess.Popen:
-    command = torchrun_command(2, 1, f"127.0.0.1:{port}", run_id=run_id, module="parallel_lib.data_parallel.scaleout",
+    command = torchrun_command(2, 1, f"127.0.0.1:{port}", run_id=run_id, module="parallel_lib.training.rehearsal",
                                args=["--out", str(out), "--threads-per-rank", "1", "--timeout", "60"],
                                python=sys.executable, rdzv_conf={"join_timeout": 60})
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -98,12 +98,12 @@ def test_torchrun_command_for_two_gpu_nodes():
 
 
 def test_torchrun_command_through_an_interpreter_with_rendezvous_settings():
-    command = torchrun_command(2, 1, "127.0.0.1:1234", run_id="r", module="parallel_lib.data_parallel.scaleout",
+    command = torchrun_command(2, 1, "127.0.0.1:1234", run_id="r", module="parallel_lib.training.rehearsal",
                                python="/venv/bin/python", rdzv_conf={"join_timeout": 60, "is_host": 1})
 
     assert command[:3] == ["/venv/bin/python", "-m", "torch.distributed.run"]
     assert command[command.index("--rdzv-conf") + 1] == "join_timeout=60,is_host=1"
-    assert command[-2:] == ["-m", "parallel_lib.data_parallel.scaleout"]
+    assert command[-2:] == ["-m", "parallel_lib.training.rehearsal"]
     assert "--node-rank" not in command  # c10d numbers the nodes itself: every node runs this line
 
 

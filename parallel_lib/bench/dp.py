@@ -1,10 +1,10 @@
 """Data-parallel benchmark: ``python -m parallel_lib.bench dp [--quick]``.
 
-Trains GPT-2 (tiny on every device; ``--model gpt2`` for the 124M shape) with a fixed batch per rank and
-compares, in one launch of ``world_size`` ranks:
+Trains GPT-2 (tiny on every device; ``--model gpt2`` for the 124M shape) with the one training
+entry, ``Plan(dp=world_size, sync=...)``, a fixed batch per rank, and compares:
 
-- **1 rank**: rank 0 trains alone while the others wait at a barrier: the baseline;
-- **ceiling**: every rank trains with sync ``none``: the same compute with no
+- **1 rank**: one rank alone (a launch of its own, sync ``none``): the baseline;
+- **ceiling**: every rank of one launch trains with sync ``none``: the same compute with no
   communication, the most this machine can give (cores, memory bandwidth);
 - each gradient-sync method: ``naive`` (one all-reduce per parameter), ``bucketed``
   (25 MB buckets launched from gradient hooks during backward), ``ring`` (buckets
@@ -14,7 +14,8 @@ Every step processes the same shape (rows padded to ``max_length``), so tokens/s
 here counts processed positions, ``world_size x per_rank_batch x max_length`` per
 step over the slowest rank's step time. Variants alternate repeat by repeat, warm-up
 steps are dropped, and medians are kept (over steps, then repeats), so that load from
-other programs spreads over all variants alike. Each rank uses one intra-op thread.
+other programs spreads over all variants alike. Each rank uses one intra-op thread; the
+variants of ``world_size`` ranks share one launch per repeat.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import argparse
 import statistics
 from dataclasses import dataclass, field, replace
 
-import torch.distributed as dist
-
 from parallel_lib.bench import repeats
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.training import busy_machine_warning
-from parallel_lib.data_parallel.dp import SYNC_METHODS, DPConfig, run_dp, train_replica
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
+from parallel_lib.training import AVERAGERS, Plan, RunConfig, TrainResult, job_step_times, train_many
 
 __all__ = ["Config", "QUICK", "Results", "measure", "markdown", "main"]
 
@@ -82,38 +82,48 @@ class Results:
         return self.tokens_per_sec(variant) / self.tokens_per_sec(CEILING)
 
 
-def _dp_config(config: Config, world_size: int, sync: str) -> DPConfig:
-    return DPConfig(sync=sync, model=config.model, batch_size=config.per_rank_batch * world_size,
-                    max_steps=config.steps, train_examples=config.train_examples, val_examples=8,
-                    vocab_size=config.vocab_size, max_length=config.max_length, pad_to_max_length=True)
+def _run(config: Config, world_size: int) -> RunConfig:
+    return RunConfig(data="corpus", model=config.model, batch_size=config.per_rank_batch * world_size,
+                     steps=config.steps, train_examples=config.train_examples, vocab_size=config.vocab_size,
+                     seq_len=config.max_length, return_state=False)
 
 
-def _worker(rank: int, world_size: int, config: Config) -> tuple[dict[str, list[float]], str, str]:
-    """Rank 0's per-repeat median step seconds of every variant, the model and device names."""
-    def median_step(step_times: list[float]) -> float:
-        return statistics.median(step_times[config.warmup:])
+def _worker(rank: int, world_size: int, jobs: list[tuple[Plan, RunConfig]]) -> tuple[list[TrainResult], str]:
+    """Every job in turn on this rank, and the rank's device."""
+    return train_many(rank, world_size, jobs), str(rank_device())
 
-    seconds: dict[str, list[float]] = {}
-    for _ in range(config.repeats):
-        if rank == 0:  # the baseline: one rank alone, no messages; the others wait
-            solo = train_replica(0, 1, _dp_config(config, 1, "none"))
-            seconds.setdefault(SOLO, []).append(median_step(solo.local.step_times))
-        dist.barrier()
-        for sync in (CEILING,) + config.methods:
-            result = run_dp(rank, world_size, _dp_config(config, world_size, sync))
-            seconds.setdefault(sync, []).append(median_step(result.record.step_times))  # slowest rank's
-    return seconds, result.model, result.device
+
+def _median_step(results: list[TrainResult], warmup: int) -> float:
+    """The median over steps after warm-up of the slowest rank's step."""
+    return statistics.median(job_step_times(results)[warmup:])
 
 
 def measure(config: Config = Config(), timeout: float = 1800.0) -> Results:
-    """Launch ``config.world_size`` ranks with one thread each and time every variant."""
-    unknown = [m for m in config.methods if m not in SYNC_METHODS or m == CEILING]
+    """Time every variant ``config.repeats`` times: a 1-rank launch and one launch of ``world_size`` ranks
+    (one thread each) per repeat.
+
+    Raises:
+        ValueError: a method that is not one of chapter 01's averagers, fewer than 2 ranks or no step to time.
+    """
+    methods = [m for m in AVERAGERS if m != CEILING]
+    unknown = [m for m in config.methods if m not in methods]
     if unknown or config.world_size < 2 or config.steps <= config.warmup:
-        raise ValueError(f"need methods from {SYNC_METHODS[1:]}, world_size >= 2 and steps > warmup, got "
+        raise ValueError(f"need methods from {methods}, world_size >= 2 and steps > warmup, got "
                          f"methods={config.methods}, world_size={config.world_size}, steps={config.steps}, "
                          f"warmup={config.warmup}")
-    seconds, model, device = launch(_worker, config.world_size, config, timeout=timeout, threads_per_rank=1)[0]
-    return Results(config, machine_label(), model, device,
+    n = config.world_size
+    variants = (CEILING,) + config.methods
+    jobs = [(Plan(dp=n, sync=sync, micro_batches=1), _run(config, n)) for sync in variants]
+    seconds: dict[str, list[float]] = {}
+    for _ in range(config.repeats):
+        solo, device = launch(_worker, 1, [(Plan(sync="none", micro_batches=1), _run(config, 1))], timeout=timeout,
+                              threads_per_rank=1)[0]
+        seconds.setdefault(SOLO, []).append(_median_step(solo, config.warmup))
+        per_rank = launch(_worker, n, jobs, timeout=timeout, threads_per_rank=1)
+        for k, sync in enumerate(variants):
+            seconds.setdefault(sync, []).append(_median_step([results[k] for results, _ in per_rank], config.warmup))
+        device = per_rank[0][1]
+    return Results(config, machine_label(), config.model, device,
                    {variant: statistics.median(values) for variant, values in seconds.items()})
 
 

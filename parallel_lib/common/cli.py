@@ -1,7 +1,7 @@
 """Command lines from configs: one ``--flag`` per field of a run's config dataclass.
 
 The data-parallel, sharding and tensor-parallel commands all take their options from the
-dataclass their worker reads (``DPConfig``, ``RunConfig``, ``TPConfig``), so a new field is a
+dataclass their worker reads (``RunConfig``, ``TPConfig``), so a new field is a
 new flag with the same default, and the command line can never drift from what a notebook passes.
 """
 

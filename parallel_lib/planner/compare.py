@@ -5,7 +5,8 @@ when to use) filled in by hand. Here each row comes from a short run of the chap
 own code on the same model, batches and machine:
 
 - one device: :func:`parallel_lib.common.training.train` (the reference every chapter compares with);
-- DP: chapter 01's :func:`parallel_lib.data_parallel.run_dp` in ``launch``-ed gloo ranks (NCCL on GPUs);
+- DP: chapter 01's data parallelism, the one training entry with ``Plan(dp=p, sync="bucketed")``
+  (:func:`parallel_lib.training.train_layout`: gloo ranks, NCCL on GPUs);
 - MP: chapter 03's :func:`parallel_lib.model_parallel.parallelize` and the same ``train`` loop;
 - PP: chapter 04's :class:`parallel_lib.pipeline_parallel.Pipe` with 1F1B.
 
@@ -33,8 +34,6 @@ from parallel_lib.common.timeline import DeviceClock, idle_fraction
 from parallel_lib.common.training import TrainRecord, forward_loss, train, weighted_cross_entropy
 from parallel_lib.data.corpus import load_corpus
 from parallel_lib.data.tokenizer import collate_batch, get_tokenizer
-from parallel_lib.data_parallel.dp import DPConfig, run_dp
-from parallel_lib.data_parallel.dp_reference import summarize as summarize_dp
 from parallel_lib.model_parallel.device_map import get_device_map
 from parallel_lib.model_parallel.memory import memory_report, training_memory
 from parallel_lib.model_parallel.placing import parallelize, placement
@@ -44,7 +43,7 @@ from parallel_lib.pipeline_parallel.pipe import Pipe
 from parallel_lib.planner.strategy import WHEN_TO_USE, ring_bytes
 from parallel_lib.runtime.device import devices, resolve_device
 from parallel_lib.runtime.environment import machine_label
-from parallel_lib.runtime.launcher import launch
+from parallel_lib.training import Plan, RunConfig, job_record, train_layout
 
 __all__ = ["CompareConfig", "Measured", "CLASSIC", "measure", "markdown_table"]
 
@@ -151,13 +150,14 @@ def _measure(config: CompareConfig) -> list[Measured]:
     rows.append(Measured("1 device", 1, record.throughput(skip=config.warmup), replica_bytes, estimate.total, 0.0,
                          None, "train()"))
 
-    dp_config = DPConfig(sync="bucketed", model=config.model, batch_size=b, max_steps=config.steps,
-                         train_examples=config.train_examples, val_examples=16, vocab_size=config.vocab_size,
-                         max_length=config.max_length, pad_to_max_length=True, lr=config.lr, seed=config.seed)
-    results = launch(run_dp, p, dp_config, threads_per_rank=1, timeout=config.timeout)
-    rows.append(Measured("DP", p, summarize_dp(results, warmup=config.warmup)["tokens_per_sec"],
+    dp_run = RunConfig(data="corpus", model=config.model, batch_size=b, steps=config.steps,
+                       train_examples=config.train_examples, vocab_size=config.vocab_size, seq_len=config.max_length,
+                       lr=config.lr, seed=config.seed, return_state=False)
+    results = train_layout(Plan(dp=p, sync="bucketed", micro_batches=1), dp_run, timeout=config.timeout)
+    rows.append(Measured("DP", p, job_record(results).throughput(skip=config.warmup),
                          replica_bytes,  # every rank holds the replica measured above
-                         estimate.total, ring_bytes(grad_bytes, p), None, f"launch(run_dp, {p}) (chapter 01)"))
+                         estimate.total, ring_bytes(grad_bytes, p), None,
+                         f"train_layout(Plan(dp={p}, sync='bucketed')) (chapter 01)"))
 
     split = parallelize(copy.deepcopy(reference), get_device_map(reference.config.n_layer, list(range(p))))
     optimizer = adamw(split)

@@ -17,9 +17,12 @@ from parallel_lib.training.tp_runs import tp_layout, train_tp
 from parallel_lib.training.zero_measure import measure_stages, zero3_timelines, zero_plan
 from parallel_lib.training.layouts import (LayoutMeasurement, job_record, job_step_times, max_difference,
                                            measure_layout, summarize_layout, train_3d, train_layout)
+from parallel_lib.training.averagers import AVERAGERS
+from parallel_lib.training.phases import PHASES
 
 __all__ = ["Plan", "RunConfig", "TrainResult", "train", "train_many", "reference", "reference_checkpoint",
            "plain_checkpoint", "build_model", "global_batches",
            "replica_rows", "DATA_SOURCES", "SYNCS",
            "train_layout", "train_3d", "measure_layout", "summarize_layout", "LayoutMeasurement", "max_difference",
-           "job_step_times", "job_record", "tp_layout", "train_tp", "zero_plan", "measure_stages", "zero3_timelines"]
+           "job_step_times", "job_record", "tp_layout", "train_tp", "zero_plan", "measure_stages", "zero3_timelines", "AVERAGERS",
+           "PHASES"]

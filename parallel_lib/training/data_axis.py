@@ -20,6 +20,9 @@ itself, or a wrapper whose forward the sync needs (PyTorch's ``DistributedDataPa
 0 is plain data parallelism, one all-reduce per bucket), with the run's precision, collectives,
 prefetch and bucket size (:mod:`.zero_options`). ``"ddp"``, ``"zero_redundancy"``, ``"fsdp2"``:
 PyTorch's own, for chapter 06's comparisons (:mod:`.torch_sharding`).
+
+``"naive"``, ``"bucketed"``, ``"ring"``, ``"none"`` (and ``"ddp"`` above): chapter 01's gradient
+averagers, each replica stepping its own optimizer (:mod:`.averagers`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.zero import ZeroEngine
+from parallel_lib.training.averagers import AVERAGERS, averager_axis
 from parallel_lib.training.torch_sharding import WHOLE_MODEL, ddp_axis, fsdp2_axis, zero_redundancy_axis
 
 __all__ = ["SYNCS", "WHOLE_MODEL", "data_parallel_axis"]
@@ -45,6 +49,7 @@ def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Modul
 # Plan.sync -> how the dp axis is built: (plan, run, stage, rank mesh) -> (module to run, the axis above)
 SYNCS: dict[str, Callable[[Any, Any, nn.Module, RankMesh], tuple[nn.Module, Any]]] = {
     "zero": _zero, "ddp": ddp_axis, "zero_redundancy": zero_redundancy_axis, "fsdp2": fsdp2_axis}
+SYNCS.update({sync: averager_axis for sync in AVERAGERS if sync not in SYNCS})  # "ddp": PyTorch's, above
 
 
 def data_parallel_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, Any]:

@@ -1,9 +1,10 @@
-"""The one single-process reference: the dense model on the whole global batch, AdamW, no parallelism.
+"""The one single-process reference: the dense model on the whole global batch, no parallelism.
 
-Independent of every parallel code path: Hugging Face's ``GPT2LMHeadModel`` forward (causal
-attention, its own tied head), the course's weighted loss ``sum(ce · w) / sum(w)`` and
-``torch.optim.AdamW`` with the run's settings. Every layout of :func:`~parallel_lib.training.run.train`
-must reach the parameters this reaches.
+Independent of every parallel code path: Part I's plain training loop
+(:func:`parallel_lib.common.training.train`: Hugging Face's ``GPT2LMHeadModel`` forward with its
+causal attention and tied head, the course's weighted loss ``sum(ce · w) / sum(w)``, one optimizer
+step per batch) with the run's optimizer (``torch.optim.AdamW``, or SGD). Every layout of
+:func:`~parallel_lib.training.run.train` must reach the parameters this reaches.
 
 With dropout, Hugging Face's masks come from torch's global random stream, which no parallel
 run can reproduce; the reference then runs the one GPT-2 (:mod:`parallel_lib.models`, equal to
@@ -11,11 +12,13 @@ Hugging Face's without dropout, tests/test_gpt2_model.py) with the run's seed, w
 masks (:mod:`parallel_lib.models.dropout`) are numbered by replica and forward call, as the
 parallel run numbers them: each of the ``dp`` replicas' rows runs with its replica's masks, cut
 into ``micro_batches`` forwards (micro-batch ``i`` of step ``k`` is call ``k · micro_batches + i + 1``,
-as :func:`~parallel_lib.training.step.pipeline_step` numbers it). With one replica and one
-micro-batch that is one forward of the whole batch per step.
+as :func:`~parallel_lib.training.step.pipeline_step` numbers it), and the step's logits are those
+forwards' in row order (:class:`_ReplicaForwards`). With one replica and one micro-batch that is
+one forward of the whole batch per step.
 
 Chapter 06's options hold here too: ``run.freeze`` leaves those parameters out of AdamW,
-``run.max_grad_norm`` clips with torch's ``clip_grad_norm_``, and a plain checkpoint
+``run.max_grad_norm`` clips with torch's ``clip_grad_norm_`` (between backward and step, where Part I's
+loop calls its ``average_gradients_fn``), and a plain checkpoint
 (:mod:`.checkpoints`) is saved (:func:`reference_checkpoint`) and continued (``resume=``) here;
 :func:`plain_checkpoint` turns ZeRO's shards into one.
 """
@@ -25,14 +28,15 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel_lib.common.checks import check_int, positive_int
+from parallel_lib.common.training import train
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import from_hf
 from parallel_lib.sharding.checkpoint import consolidate
-from parallel_lib.training.batches import global_batches, replica_rows
+from parallel_lib.training.averagers import make_optimizer
+from parallel_lib.training.batches import global_batches
 from parallel_lib.training.checkpoints import Checkpoint, to_dense
 from parallel_lib.training.run import ModelBuilder, RunConfig, build_model
 from parallel_lib.training.zero_options import freeze_parameters
@@ -92,6 +96,24 @@ def plain_checkpoint(shards: Sequence[dict[str, Any]], run: RunConfig, first: in
     return (*to_dense(model_state, optim_state, shards[0]["trainable"], dense_order), first)
 
 
+class _ReplicaForwards(nn.Module):
+    """One step's forward of the global batch as a layout runs it: every replica's micro-batches, each
+    with its own seeded dropout masks, their logits concatenated in row order."""
+
+    def __init__(self, model: GPT2, dp: int, micro_batches: int, step: int) -> None:
+        super().__init__()
+        self.model, self.dp, self.micro_batches, self.steps = model, dp, micro_batches, step
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        stream, logits = self.model.dropout_stream, []
+        for d, rows in enumerate(input_ids.chunk(self.dp)):  # replica d's rows (replica_rows)
+            for i, part in enumerate(torch.tensor_split(rows, self.micro_batches)):
+                stream.replica, stream.calls = d, self.steps * self.micro_batches + i  # call k·m + i + 1
+                logits.append(self.model(part))
+        self.steps += 1
+        return torch.cat(logits)  # (B, T, V)
+
+
 def _one_process(run: RunConfig, builder: ModelBuilder, dp: int, micro_batches: int, resume: Optional[Checkpoint],
                  stop: Optional[int] = None) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
     run.check()
@@ -101,47 +123,15 @@ def _one_process(run: RunConfig, builder: ModelBuilder, dp: int, micro_batches: 
     if run.dropout:  # the one GPT-2's seeded masks, each replica's and micro-batch's own (see the module docstring)
         model = from_hf(model, run.seed)
     freeze_parameters(model, run.freeze)
-    model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay)
+    optimizer = make_optimizer(run, trainable)
     first = 0
     if resume is not None:
         model.load_state_dict(resume[0], strict=False)  # frozen parameters are not in a ZeRO checkpoint
         optimizer.load_state_dict(resume[1])
         first = resume[2]
-    losses = []
-    for k, batch in enumerate(global_batches(run, dp)[first:stop], start=first):
-        optimizer.zero_grad(set_to_none=True)
-        loss = _seeded_dropout_step(model, batch, k, dp, micro_batches) if run.dropout else _step(model, batch)
-        if run.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(trainable, run.max_grad_norm)
-        optimizer.step()
-        losses.append(loss)
-    return losses, model, optimizer
-
-
-def _step(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
-    """Forward and backward of the whole global batch; its weighted token-mean loss."""
-    logits = model(batch["input_ids"])
-    logits = logits if isinstance(logits, torch.Tensor) else logits.logits
-    ce = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
-    weights = batch["label_token_weights"].flatten()
-    loss = (ce * weights).sum() / weights.sum()
-    loss.backward()
-    return loss.item()
-
-
-def _seeded_dropout_step(model: GPT2, batch: dict[str, torch.Tensor], k: int, dp: int, micro_batches: int) -> float:
-    """Step ``k`` with dropout: each replica's micro-batches with their own masks, one gradient."""
-    stream = model.dropout_stream
-    total, loss = batch["label_token_weights"].sum(), 0.0
-    for d in range(dp):
-        rows = {key: torch.tensor_split(v, micro_batches) for key, v in replica_rows(batch, d, dp).items()}
-        for i in range(micro_batches):
-            stream.replica, stream.calls = d, k * micro_batches + i  # the forward counts call k·m + i + 1
-            logits = model(rows["input_ids"][i])
-            ce = F.cross_entropy(logits.flatten(0, 1), rows["labels"][i].flatten(), reduction="none")
-            share = (ce * rows["label_token_weights"][i].flatten()).sum() / total
-            share.backward()
-            loss += share.item()
-    return loss
+    stepped = _ReplicaForwards(model, dp, micro_batches, first) if run.dropout else model
+    clip = (lambda _: torch.nn.utils.clip_grad_norm_(trainable, run.max_grad_norm)) if run.max_grad_norm else None
+    record = train(stepped, optimizer, global_batches(run, dp)[first:stop], desc="one process",
+                   average_gradients_fn=clip, progress=False)
+    return record.losses, model, optimizer

@@ -24,6 +24,7 @@ from typing import Optional
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES
 from parallel_lib.runtime.mesh import DEFAULT_ORDER, Mesh
+from parallel_lib.training.averagers import check_averager
 from parallel_lib.training.data_axis import SYNCS, WHOLE_MODEL
 
 __all__ = ["Plan"]
@@ -53,7 +54,8 @@ class Plan:
         """A short label, e.g. ``"dp2 zero1 × tp2+sp × pp2 1f1b"``."""
         parts = []
         if self.dp > 1 or self.zero:
-            parts.append(f"dp{self.dp}" + (f" zero{self.zero}" if self.zero else ""))
+            parts.append(f"dp{self.dp}" + (f" zero{self.zero}" if self.zero else "")
+                         + (f" {self.sync}" if self.sync != "zero" else ""))
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -98,3 +100,4 @@ class Plan:
         if batch_size is not None and batch_size % (self.dp * self.micro_batches):
             raise ValueError(f"batch_size must split into dp={self.dp} replicas of micro_batches="
                              f"{self.micro_batches} equal micro-batches, got batch_size={batch_size}")
+        check_averager(self)  # chapter 01's averagers: what they cannot run

@@ -27,7 +27,8 @@ A step on rank ``(d, j, t)``:
     (:func:`~parallel_lib.training.stage_gradients.reduce_stage_gradients`);
 [7] AdamW on this rank's shard; ZeRO-1/2 all-gather the updated parameters.
 
-Every collective of a step is counted and sorted by the mesh axis it ran on.
+Every collective of a step is counted and sorted by the mesh axis it ran on, and each step is
+split into its phases (data, compute, sync, optimizer, gc: :mod:`.phases`) in ``TrainRecord.phases``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from transformers import GPT2LMHeadModel
 
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2
-from parallel_lib.common.timeline import DeviceClock, Event, TimelineRecorder
+from parallel_lib.common.timeline import Event, TimelineRecorder
 from parallel_lib.common.training import TrainRecord
 from parallel_lib.data_parallel.ring import require_process_group
 from parallel_lib.pipeline_parallel.link import StageLink, leave_together, wait_for
@@ -53,8 +54,10 @@ from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.checkpoint import shard_state
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
 from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_rows
+from parallel_lib.training.averagers import OPTIMIZERS, check_optimizer
 from parallel_lib.training.checkpoints import Checkpoint, load_checkpoint
 from parallel_lib.training.data_axis import data_parallel_axis
+from parallel_lib.training.phases import StepPhases
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.stage_gradients import reduce_stage_gradients
 from parallel_lib.training.step import pipeline_step, stage_on_device
@@ -96,6 +99,8 @@ class RunConfig:
     max_grad_norm: float = 0.0      # clip the mean gradient to this global L2 norm before each step (0: off)
     measure_step: int = -1          # the step whose census and collectives TrainResult reports (-1: the last)
     return_shards: bool = False     # ZeRO: send this rank's checkpoint shard back (sharding.shard_state)
+    optimizer: str = "adamw"        # chapter 01's averagers (Plan.sync) may step "sgd" instead (lr only)
+    overlap: bool = True            # sync "bucketed": all-reduce each bucket from backward's gradient hooks
 
     def overrides(self) -> dict[str, int]:
         """``build_gpt2`` overrides of depth and width."""
@@ -129,6 +134,7 @@ class RunConfig:
         if self.seq_len > self.shape["n_positions"]:
             raise ValueError(f"seq_len must be <= n_positions={self.shape['n_positions']}, got seq_len={self.seq_len}")
         check_zero_options(self)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
 
 
 def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -> None:
@@ -141,6 +147,7 @@ def check_layout(plan: Plan, run: RunConfig, world_size: Optional[int] = None) -
     shape = run.shape
     plan.check(world_size, shape["n_layer"], shape["n_head"], run.vocab_size, run.batch_size)
     check_zero_options(run, plan)
+    check_optimizer(plan, run)
 
 
 def build_model(run: RunConfig) -> GPT2LMHeadModel:
@@ -168,7 +175,7 @@ class TrainResult:
     rank: int
     coords: dict[str, int]
     plan: Plan
-    record: TrainRecord             # loss share on the last stage (NaN elsewhere), global tokens, seconds
+    record: TrainRecord             # loss share on the last stage (NaN elsewhere), global tokens, seconds, phases
     traffic: dict[str, dict[str, tuple[int, int]]]
     wire: dict[str, float]
     state_bytes: int                # parameters + gradients + optimizer states this rank holds (tensor census)
@@ -258,34 +265,42 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder,
     link = StageLink(None, None, who, run.timeout, device, group=pm.group("pp"))
     wait_for(dist.barrier(group=pm.group("pp"), async_op=True), run.timeout, f"{who}: start-up barrier")
     schedule = make_schedule(plan.schedule, pp, plan.micro_batches)
-    record, clock = TrainRecord(), DeviceClock([device])
+    record = TrainRecord()
     recorder, lane = TimelineRecorder(device=device), f"rank {pm.rank}"  # a GPU: CUDA events, read after the steps
     counter, activations, peak, census, measured = CollectiveCounter(), 0, 0, {}, measured_step(run)
-    for k, batch in enumerate(global_batches(run, dp)):
-        if k < first:  # resumed: these steps are in the checkpoint
-            continue
-        tokens = float(batch["label_token_weights"].sum())
-        mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
-        traced = k < run.timeline_steps
-        if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
-            wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
-            recorder.reset()
-        trace_collectives(engine, recorder if traced else None, plan)  # dp alone: ZeRO's collectives too
-        timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
-        start = clock()
-        with count_collectives() as step_counter:
-            loss, saved, in_flight = pipeline_step(stage, runner, link, pipeline, schedule, j, mine,  # [5]
-                                                   tokens / dp, plan.recompute,
-                                                   forwards_before=k * plan.micro_batches, record=timed)
-            activations, peak = activations if k else saved, max(peak, in_flight)
-            comm = (lambda label: recorder.record(lane, "comm", None, label)) if traced else None
-            reduce_stage_gradients(engine, stage, pm, who, run.timeout, comm)  # [6]
-            if k == measured:  # between backward and step: the most this rank holds
-                census, counter = axis_census(engine), step_counter
-            if run.max_grad_norm:  # by the global norm of the mean gradient
-                engine.clip_grad_norm_(run.max_grad_norm)
-            engine.step()  # [7]
-        record.append(loss / dp if stage.last else float("nan"), int(tokens), clock() - start)
+    with StepPhases(recorder) as phases:  # data, compute, sync, optimizer, gc: TrainRecord.phases
+        for k, batch in enumerate(global_batches(run, dp)):
+            if k < first:  # resumed: these steps are in the checkpoint
+                continue
+            traced = k < run.timeline_steps
+            if traced and k == 0:  # every rank's clock starts at (nearly) the same moment
+                wait_for(dist.barrier(async_op=True), run.timeout, f"{who}: barrier before the timeline")
+                recorder.reset()
+            trace_collectives(engine, recorder if traced else None, plan)  # dp alone: ZeRO's collectives too
+            if hasattr(engine, "trace"):  # chapter 01's buckets on the timeline (lane "rank R comm")
+                engine.trace(recorder if traced else None)
+            timed = (lambda kind, i: recorder.record(lane, kind, k * plan.micro_batches + i)) if traced else None
+            phases.start()
+            tokens = float(batch["label_token_weights"].sum())
+            mine = {k: v.to(device) for k, v in replica_rows(batch, d, dp).items()}  # [4]
+            phases.mark()
+            with count_collectives() as step_counter:
+                loss, saved, in_flight = pipeline_step(stage, runner, link, pipeline, schedule, j, mine,  # [5]
+                                                       tokens / dp, plan.recompute,
+                                                       forwards_before=k * plan.micro_batches, record=timed)
+                activations, peak = activations if k else saved, max(peak, in_flight)
+                phases.mark()
+                comm = (lambda label: recorder.record(lane, "comm", None, label)) if traced else None
+                reduce_stage_gradients(engine, stage, pm, who, run.timeout, comm)  # [6]
+                phases.mark()
+                if k == measured:  # between backward and step: the most this rank holds
+                    census, counter = axis_census(engine), step_counter
+                if run.max_grad_norm:  # by the global norm of the mean gradient
+                    engine.clip_grad_norm_(run.max_grad_norm)
+                engine.step()  # [7]
+                phases.mark()
+            seconds, split = phases.read()
+            record.append(loss / dp if stage.last else float("nan"), int(tokens), seconds, split)
     traffic, wire = _by_axis(counter, pm)
     held = census["total"]
     owned = sum(t.numel() for t in engine.master)

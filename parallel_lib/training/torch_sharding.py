@@ -28,6 +28,7 @@ from torch import nn
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.memory import optimizer_tensors, storage_census
+from parallel_lib.training.averagers import make_optimizer
 
 __all__ = ["WHOLE_MODEL", "TorchAxis", "ddp_axis", "zero_redundancy_axis", "fsdp2_axis"]
 
@@ -101,9 +102,9 @@ def _ddp(run: Any, stage: nn.Module, pm: RankMesh) -> nn.Module:
 
 
 def ddp_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, TorchAxis]:
-    """``"ddp"``: DistributedDataParallel over ``pm.group("dp")`` and AdamW on every parameter."""
+    """``"ddp"``: DistributedDataParallel over ``pm.group("dp")`` and ``run.optimizer`` (AdamW) on every parameter."""
     trainable = [p for p in stage.parameters() if p.requires_grad]
-    return _ddp(run, stage, pm), TorchAxis(stage, torch.optim.AdamW(trainable, **_adamw(run)), trainable)
+    return _ddp(run, stage, pm), TorchAxis(stage, make_optimizer(run, trainable), trainable)  # chapter 01: or SGD
 
 
 def zero_redundancy_axis(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, TorchAxis]:

@@ -2,7 +2,8 @@
 
 Each function draws what the library produced: the partition comes from
 ``PartitionSampler`` (the sampler ``partition_dataset`` uses), the speed and time
-plots from :class:`parallel_lib.data_parallel.DPResult` records, the drift from final states.
+plots from the ranks' :class:`~parallel_lib.training.TrainResult` records (the job's view:
+:func:`~parallel_lib.training.job_record`), the drift from final states.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from parallel_lib.data.partition import PartitionSampler
-from parallel_lib.data_parallel.dp import DPResult
+from parallel_lib.training import TrainResult, job_record
 from parallel_lib.viz.ring import rank_color
 
-__all__ = ["render_partitions", "render_throughput", "render_breakdown", "parameter_drift", "render_drift"]
+__all__ = ["render_partitions", "epoch_seconds", "render_throughput", "render_breakdown", "parameter_drift",
+           "render_drift"]
 
 
 def render_partitions(num_examples: int = 20, world_size: int = 2, batch_size: int = 4, seed: int = 1234,
@@ -56,24 +58,39 @@ def render_partitions(num_examples: int = 20, world_size: int = 2, batch_size: i
     return fig
 
 
-def render_throughput(runs: Mapping[str, Sequence[DPResult]], title: str = "") -> Figure:
+def epoch_seconds(results: Sequence[TrainResult], steps_per_epoch: int) -> list[float]:
+    """Seconds of each epoch of the job (its slowest rank's steps, summed per ``steps_per_epoch`` steps).
+
+    The last epoch may be cut short by the run's last step.
+
+    Raises:
+        ValueError: ``steps_per_epoch`` below 1.
+    """
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be >= 1, got steps_per_epoch={steps_per_epoch}")
+    times = job_record(results).step_times
+    return [sum(times[e:e + steps_per_epoch]) for e in range(0, len(times), steps_per_epoch)]
+
+
+def render_throughput(runs: Mapping[str, tuple[Sequence[TrainResult], int]], title: str = "") -> Figure:
     """Tokens/s per step (left) and seconds per epoch (right) of each run, e.g. 1 vs 2 ranks.
 
     Args:
-        runs: label -> every rank's results of one run (``launch(run_dp, ...)``).
+        runs: label -> (every rank's results of one run, the run's steps per epoch).
         title: heading, e.g. the machine.
     """
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(len(runs), 1)
-    for i, (label, results) in enumerate(runs.items()):
-        record = results[0].record  # the job's view: global target tokens over the slowest rank's time
+    epochs = 0
+    for i, (label, (results, steps_per_epoch)) in enumerate(runs.items()):
+        record = job_record(results)  # the job's view: global target tokens over the slowest rank's time
         left.plot(range(record.steps), record.tokens_per_sec, label=label, linewidth=1)
-        epoch_times = [max(r.epoch_times[e] for r in results) for e in range(len(results[0].epoch_times))]
-        right.bar([e + i * width for e in range(len(epoch_times))], epoch_times, width=width, label=label)
+        times = epoch_seconds(results, steps_per_epoch)
+        epochs = max(epochs, len(times))
+        right.bar([e + i * width for e in range(len(times))], times, width=width, label=label)
     left.set(xlabel="step", ylabel="target tokens / s", title="throughput during training")
     right.set(xlabel="epoch", ylabel="seconds (slowest rank)", title="time per epoch")
-    right.set_xticks([e + width * (len(runs) - 1) / 2 for e in range(len(epoch_times))],
-                     [str(e) for e in range(len(epoch_times))])
+    right.set_xticks([e + width * (len(runs) - 1) / 2 for e in range(epochs)], [str(e) for e in range(epochs)])
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)
@@ -83,11 +100,11 @@ def render_throughput(runs: Mapping[str, Sequence[DPResult]], title: str = "") -
     return fig
 
 
-def render_breakdown(result: DPResult, ax: Optional[Axes] = None) -> Figure:
-    """Where each step's time went on one rank: data loading, compute, sync, optimizer, GC."""
+def render_breakdown(result: TrainResult, ax: Optional[Axes] = None) -> Figure:
+    """Where each step's time went on one rank: data, compute, sync, optimizer, GC (``record.phases``)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(12, 3.5))
-    parts = result.breakdown
+    parts = result.record.phases
     steps = range(len(parts["data"]))
     bottom = [0.0] * len(steps)
     # gc runs inside the other phases: drawn on its own, as a marker, not stacked
@@ -98,8 +115,7 @@ def render_breakdown(result: DPResult, ax: Optional[Axes] = None) -> Figure:
     gc_steps = [k for k, s in enumerate(parts["gc"]) if s > 0]
     ax.scatter(gc_steps, [bottom[k] for k in gc_steps], marker="v", color="black", zorder=3,
                label="garbage collection ran")
-    ax.set(xlabel="step", ylabel="ms", title=f"rank {result.rank} of {result.world_size}, sync {result.config.sync}: "
-           "time per step by phase")
+    ax.set(xlabel="step", ylabel="ms", title=f"rank {result.rank}, {result.plan.name}: time per step by phase")
     ax.legend(ncol=5, fontsize=8)
     return ax.figure  # type: ignore[return-value]
 
