@@ -27,11 +27,13 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbconvert import HTMLExporter
@@ -208,12 +210,16 @@ def execute(path: Path, timeout: int) -> nbformat.NotebookNode:
     # MPLBACKEND=Agg (as `make test` sets it) would stop the kernel from showing plots inline
     env = {key: value for key, value in os.environ.items() if key != "MPLBACKEND"}
     # widget state is stored (nbclient's Output-widget capture fails without it) and dropped by render()
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
-    try:
-        client.execute(env=env)
-    except CellExecutionError as error:
-        raise RuntimeError(f"{path}: a cell failed while building the book:\n{error}") from error
+    # the kernel talks over Unix sockets in a private folder, not TCP ports: a port taken between
+    # jupyter_client choosing it and the kernel binding it ("Address already in use") cannot happen
+    with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
+        client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent.resolve())}})
+        try:
+            client.execute(env=env)
+        except CellExecutionError as error:
+            raise RuntimeError(f"{path}: a cell failed while building the book:\n{error}") from error
     return nb
 
 
