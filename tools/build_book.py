@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import nbformat
-from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbconvert import HTMLExporter
+from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 BACK = '<p><a href="../index.html">&larr; the course\'s contents</a></p>'  # atop every page, one folder down
@@ -211,10 +211,13 @@ def execute(path: Path, timeout: int) -> nbformat.NotebookNode:
     env = {key: value for key, value in os.environ.items() if key != "MPLBACKEND"}
     # widget state is stored (nbclient's Output-widget capture fails without it) and dropped by render()
     # the kernel talks over Unix sockets in a private folder, not TCP ports: a port taken between
-    # jupyter_client choosing it and the kernel binding it ("Address already in use") cannot happen
+    # jupyter_client choosing it and the kernel binding it ("Address already in use") cannot happen.
+    # The client makes (and so shuts down) the kernel itself; only its manager's settings are ours.
     with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
-        km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
-        client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
+        config = Config()
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = os.path.join(sockets, "k")
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", config=config,
                                 resources={"metadata": {"path": str(path.parent.resolve())}})
         try:
             client.execute(env=env)
