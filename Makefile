@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Test files (and notebooks) run on this many pytest-xdist workers, whole files per worker
+# (--dist loadfile) so a file's fixtures and a notebook's kernel stay in one process. Two fit
+# a 2-core lab machine: much of a run is spent starting ranks and importing torch, not computing.
+TEST_WORKERS ?= 2
 
 .PHONY: lab reset test test-unit test-notebooks figures book bench clean
 
@@ -29,13 +33,13 @@ reset:
 test: test-unit test-notebooks
 
 test-unit: $(STAMP)
-	MPLBACKEND=Agg $(BIN)/python -m pytest tests -q --durations=10
+	MPLBACKEND=Agg $(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 # --nbval-lax: every cell must run; only cells marked "# NBVAL_CHECK_OUTPUT" compare outputs.
 # peak_memory.py holds the course to its promise: every notebook within 4 GiB of RAM.
 test-notebooks: $(STAMP)
 	$(BIN)/python tools/store_notebook.py --check notebooks/*.ipynb
-	$(BIN)/python tools/peak_memory.py --limit-gib 4 -- $(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider notebooks -q --durations=6
+	$(BIN)/python tools/peak_memory.py --limit-gib 4 -- $(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider notebooks -q -n $(TEST_WORKERS) --dist loadfile --durations=6
 
 # Images go to build/figures/ so a reader's run leaves the repository unchanged; maintainers
 # update the course's images with `make figures FIGURES_OUT=figures`.

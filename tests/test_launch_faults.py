@@ -75,6 +75,8 @@ class ScriptConfig:
 def test_object_ranks_cannot_import_is_named_with_the_real_traceback(monkeypatch):
     # pickles fine here (this __main__ has it), but a spawned rank's __main__ does not
     _define_in(sys.modules["__main__"], ScriptConfig)
+    # a script's __main__ has a file; pytest-xdist's worker has none and would pass for a notebook
+    monkeypatch.setattr("parallel_lib.runtime.payload.in_notebook", lambda: False)
     monkeypatch.setattr(ScriptConfig, "__module__", "__main__")
     start = time.monotonic()
     with pytest.raises(RankError, match=r"could not load the job.*'__main__\.ScriptConfig'") as excinfo:
