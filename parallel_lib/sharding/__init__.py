@@ -7,6 +7,7 @@ its ``zero_measure`` holds the chapter's measurements)::
 """
 
 from parallel_lib.sharding.flat import FlatParamGroup, make_buckets, padded_numel, shard_owner
+from parallel_lib.sharding.grouping import FlatGroups, flat_groups
 from parallel_lib.sharding.checkpoint import consolidate, load_full, load_shards, save_shards, shard_state
 from parallel_lib.sharding.layers import StageThreeHooks, layer_modules, mean_durations, simulate_zero3, step_events
 from parallel_lib.sharding.memory import (
@@ -25,6 +26,8 @@ __all__ = [
     "shard_owner",
     "make_buckets",
     "FlatParamGroup",
+    "FlatGroups",
+    "flat_groups",
     "layer_modules",
     "StageThreeHooks",
     "simulate_zero3",

@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["FreedParameterError", "ShardedParameter", "guard_parameter", "unguard_parameter", "install_clip_guard",
-           "ENGINE_MARK"]
+           "refuse_freed_state_dicts", "ENGINE_MARK"]
 
 ENGINE_MARK = "_zero_engine"  # attribute set on every parameter an engine manages
 
@@ -123,3 +124,24 @@ def install_clip_guard() -> None:
     clip_grad_norm_._zero_guard = True  # type: ignore[attr-defined]
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_  # type: ignore[attr-defined]
+
+
+def refuse_freed_state_dicts(model: nn.Module, freed: Callable[[], bool]) -> list[RemovableHandle]:
+    """Make ``model.state_dict()`` and ``model.load_state_dict(...)`` raise while ``freed()`` is true.
+
+    Both would otherwise walk parameters with no storage (a stage-3 model between steps); the
+    errors name the two ways that work. Returns the hooks' handles (``.remove()`` them to undo).
+    """
+    def refuse_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if freed():
+            raise RuntimeError("model.state_dict() of a ZeRO-3 model between steps: its parameters are freed (only "
+                               "this rank's shard is kept); call engine.full_state_dict() on every rank for the "
+                               "full state, or take it inside 'with engine.gathered():'")
+
+    def refuse_load(module: nn.Module, *args: Any) -> None:
+        if freed():
+            raise RuntimeError("model.load_state_dict(...) of a ZeRO-3 model between steps: its parameters are freed "
+                               "(only this rank's shard is kept); load on every rank inside the gathered block: "
+                               "'with engine.gathered(): model.load_state_dict(state)'")
+
+    return [model.register_state_dict_pre_hook(refuse_save), model.register_load_state_dict_pre_hook(refuse_load)]

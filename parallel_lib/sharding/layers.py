@@ -16,7 +16,8 @@ any time. PyTorch's FSDP2 keeps its root group gathered from forward to backward
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -89,6 +90,28 @@ class StageThreeHooks:
         if work is not None:
             work.wait()
         self._record("comm", start, f"AG {self.engine.groups[i].name}", end)
+
+    @contextmanager
+    def all_gathered(self, masters: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Every group full inside the block; what the block changed goes back into the shards.
+
+        ``masters[i]`` is group i's optimizer copy (its shard itself, or the fp32 master under bf16),
+        which takes the changed values too. A collective between steps: every rank enters it.
+        """
+        engine = self.engine
+        for i in range(len(engine.groups)):
+            self.gather(i)
+        try:
+            yield
+        finally:
+            for group, master in zip(engine.groups, masters):
+                mine = group.full[engine.rank * group.shard_numel:(engine.rank + 1) * group.shard_numel]
+                if not torch.equal(mine, group.shard):  # changed inside the block: keep it
+                    with torch.no_grad():
+                        group.shard.copy_(mine)
+                        if master is not group.shard:
+                            master.copy_(group.shard)
+                group.free()
 
     def _prefetch(self, i: Optional[int]) -> None:
         if self.prefetch and i is not None and i not in self._inflight and not self.engine.groups[i].gathered:

@@ -42,9 +42,11 @@ from parallel_lib.common.checks import check_choice, check_int, positive_number
 from parallel_lib.common.timeline import TimelineRecorder
 from parallel_lib.data_parallel.ring import require_process_group, ring_all_gather, ring_reduce_scatter
 from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
-from parallel_lib.sharding.flat import FlatParamGroup, make_buckets
-from parallel_lib.sharding.guards import ENGINE_MARK, guard_parameter, install_clip_guard, unguard_parameter
-from parallel_lib.sharding.layers import StageThreeHooks, layer_modules
+from parallel_lib.sharding.flat import FlatParamGroup
+from parallel_lib.sharding.grouping import flat_groups
+from parallel_lib.sharding.guards import (ENGINE_MARK, guard_parameter, install_clip_guard, refuse_freed_state_dicts,
+                                         unguard_parameter)
+from parallel_lib.sharding.layers import StageThreeHooks
 
 __all__ = ["STAGES", "COLLECTIVES", "PRECISIONS", "ZeroEngine"]
 
@@ -116,23 +118,9 @@ class ZeroEngine:
         if {id(p) for p in alone} - {id(p) for p in trainable}:
             raise ValueError("separate must hold parameters of the model (trainable ones)")
         self._separate = {id(p) for p in alone}
-        trainable_rest = [p for p in trainable if id(p) not in self._separate]
-        if stage == 3:
-            layers = list(layer_groups) if layer_groups is not None else layer_modules(model)
-            in_layers = [[p for p in layer.parameters() if p.requires_grad and id(p) not in self._separate]
-                         for layer in layers]
-            seen = {id(p) for ps in in_layers for p in ps}
-            outer = [p for p in trainable_rest if id(p) not in seen]
-            owners: list[Optional[nn.Module]] = ([None] * len(alone) + ([None] if outer else [])
-                                                 + [m for m, ps in zip(layers, in_layers) if ps])
-            param_lists = [[p] for p in alone] + ([outer] if outer else []) + [ps for ps in in_layers if ps]
-            names = ([f"{p._zero_name}" for p in alone] + (["outer"] if outer else [])  # type: ignore[attr-defined]
-                     + [f"layer {i}" for i, ps in enumerate(in_layers) if ps])
-        else:  # reverse order: roughly the order in which backward produces the gradients
-            param_lists = [[p] for p in alone] + make_buckets(trainable_rest[::-1], int(bucket_cap_mb * 2**20))
-            names = [f"{p._zero_name}" for p in alone] + [  # type: ignore[attr-defined]
-                f"bucket {i}" for i in range(len(param_lists) - len(alone))]
-        self.groups = [FlatParamGroup(ps, self.world_size, self.rank, name) for ps, name in zip(param_lists, names)]
+        planned = flat_groups(model, stage, alone, int(bucket_cap_mb * 2**20), layer_groups)
+        self.groups = [FlatParamGroup(ps, self.world_size, self.rank, name)
+                       for ps, name in zip(planned.params, planned.names)]
         if stage == 3:  # the shard becomes the parameters' only persistent storage
             for g in self.groups:
                 g.own_shard()
@@ -156,9 +144,8 @@ class ZeroEngine:
                 g.free()
                 for p in g.params:  # reading a freed parameter raises instead of reading freed memory
                     guard_parameter(p)
-            self.layers = StageThreeHooks(self, model, owners, prefetch and collectives == "torch")
-            self._hooks.append(model.register_state_dict_pre_hook(self._refuse_freed_state_dict))
-            self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_freed_load))
+            self.layers = StageThreeHooks(self, model, planned.owners, prefetch and collectives == "torch")
+            self._hooks += refuse_freed_state_dicts(model, lambda: any(not g.gathered for g in self.groups))
 
     # --- set-up ------------------------------------------------------------------------------------
 
@@ -399,36 +386,13 @@ class ZeroEngine:
         if self.layers is None:
             yield
             return
-        for i in range(len(self.groups)):
-            self.layers.gather(i)
-        try:
+        with self.layers.all_gathered(self.master):
             yield
-        finally:
-            for group, master in zip(self.groups, self.master):
-                mine = group.full[self.rank * group.shard_numel:(self.rank + 1) * group.shard_numel]
-                if not torch.equal(mine, group.shard):  # changed inside the block: keep it
-                    with torch.no_grad():
-                        group.shard.copy_(mine)
-                        if master is not group.shard:
-                            master.copy_(group.shard)
-                group.free()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with every parameter full (copies), on every rank; a collective at stage 3."""
         with self.gathered():
             return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
-
-    def _refuse_freed_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if any(not g.gathered for g in self.groups):
-            raise RuntimeError("model.state_dict() of a ZeRO-3 model between steps: its parameters are freed (only "
-                               "this rank's shard is kept); call engine.full_state_dict() on every rank for the "
-                               "full state, or take it inside 'with engine.gathered():'")
-
-    def _refuse_freed_load(self, module: nn.Module, *args: Any) -> None:
-        if any(not g.gathered for g in self.groups):
-            raise RuntimeError("model.load_state_dict(...) of a ZeRO-3 model between steps: its parameters are freed "
-                               "(only this rank's shard is kept); load on every rank inside the gathered block: "
-                               "'with engine.gathered(): model.load_state_dict(state)'")
 
     def remove(self) -> None:
         """Unregister every hook; stage 3 gathers the full parameters back into the model first."""
