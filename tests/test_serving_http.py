@@ -137,8 +137,9 @@ def test_32_concurrent_clients_lose_no_request_and_every_block_comes_back(server
         run_load("10.1.2.3", server.port, bodies)
 
 
-def test_the_load_generator_runs_its_own_server_from_the_command_line(capsys):
-    assert load_main(["--requests", "4", "--clients", "2", "--max-tokens", "2", "4"]) == 0
+def test_the_load_generator_drives_a_server_from_the_command_line(server, capsys):
+    # (without --url it starts its own server in a process of its own: seconds of imports, left out of the tests)
+    assert load_main(["--url", server.url, "--requests", "4", "--clients", "2", "--max-tokens", "2", "4"]) == 0
     assert "| 2 | 4 | 4 | 0 | 0 |" in capsys.readouterr().out
 
 
@@ -270,3 +271,23 @@ def test_bad_arguments_are_refused(model):
         Frontend(model)
     with pytest.raises(RuntimeError, match="not started"):
         CompletionServer(engine).port
+
+
+def test_an_engine_that_fails_ends_every_request_with_its_error_and_refuses_new_ones(model):
+    engine = ServingEngine(model, num_blocks=64, block_size=4, max_batch=4)
+    step, steps = engine.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) > 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return step()
+
+    engine.step = failing_step
+    with CompletionServer(engine) as server:
+        body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 20, "stream": True}
+        result, end = send_completion("127.0.0.1", server.port, body, timeout=10)
+        assert end == "refused" and len(result.tokens) == 3 and "CUDA out of memory (simulated)" in result.error
+        status, answer = post(server, GOOD)
+        assert status == 503 and "the engine failed" in answer["error"]["message"]
+    assert engine.blocks.num_free() == 64

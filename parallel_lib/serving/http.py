@@ -46,6 +46,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional, Sequence
 
+import torch
+
 from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.inference.batch import Request
 from parallel_lib.inference.strategies import ServeConfig
@@ -256,8 +258,8 @@ class _Handler(BaseHTTPRequestHandler):
                 tokens: list[int] = []
                 for update in self._updates(ticket):
                     tokens += update.tokens
-                if update.error is not None:
-                    self._error(BadRequest(500, None, update.error))
+                if update.error is not None:  # 503: the server shut down or its engine failed
+                    self._error(BadRequest(500 if app.frontend.running else 503, None, update.error))
                     return
                 self._json(200, {**head, "choices": [self._choice(tokens, [], update)],
                                  "usage": {"prompt_tokens": len(ticket.request.prompt),
@@ -279,7 +281,9 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
         except (ConnectionError, TimeoutError, OSError):
-            app.frontend.abort(ticket)  # a failed write: the client is gone (an ended ticket ignores it)
+            pass  # a failed write: the client is gone
+        finally:
+            app.frontend.abort(ticket)  # whatever ended the answer, the request ends too (an ended ticket ignores it)
 
 
 class _Server(ThreadingHTTPServer):
@@ -468,14 +472,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--max-connections", type=int, default=64)
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = ServeConfig(model=args.model, vocab_size=args.vocab_size, seed=args.seed).build().to(args.device)
     engine = ServingEngine(model, args.num_blocks, args.block_size, args.max_batch)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # main() runs in the main thread
     try:
-        with CompletionServer(engine, model=args.model, host=args.host, port=args.port, log=not args.quiet) as server:
+        with CompletionServer(engine, model=args.model, host=args.host, port=args.port,
+                              max_connections=args.max_connections, log=not args.quiet) as server:
             print(f"serving {args.model} on {server.url}/v1/completions (Ctrl-C stops)", flush=True)
             while not stop.wait(0.5):
                 pass

@@ -15,7 +15,7 @@ is ``lost == 0``.
 Only loopback addresses are driven: this is a bench for one's own server, not a tool to aim at others.
 
 ``python -m parallel_lib.serving.load [--url http://127.0.0.1:PORT] [--clients 32] [--requests 128]``
-(without ``--url`` it serves a tiny GPT-2 itself for the run).
+(without ``--url`` it starts a server with a tiny GPT-2 in its own process for the run, :func:`served`).
 """
 
 from __future__ import annotations
@@ -25,25 +25,25 @@ import http.client
 import ipaddress
 import json
 import random
+import re
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 from urllib.parse import urlsplit
-
-import torch
 
 from parallel_lib.common.checks import check_int, positive_int, positive_number
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference.batch import Result
-from parallel_lib.inference.strategies import ServeConfig
 from parallel_lib.runtime.environment import machine_label
-from parallel_lib.serving.engine import ServingEngine
-from parallel_lib.serving.http import CompletionServer
 from parallel_lib.serving.trace import TraceMetrics, trace_metrics
 
-__all__ = ["completion_bodies", "send_completion", "LoadReport", "run_load", "main"]
+__all__ = ["completion_bodies", "send_completion", "LoadReport", "run_load", "markdown", "served", "main"]
 
 MAX_CLIENTS = 256
 
@@ -188,10 +188,45 @@ def markdown(report: LoadReport, machine: str) -> str:
             + f"\n\nmachine: {machine}; wall time {report.seconds:.2f} s")
 
 
+@contextmanager
+def served(options: Sequence[str], timeout: float = 120.0) -> Iterator[int]:
+    """Run ``python -m parallel_lib.serving.http --port 0 OPTIONS`` in its own process and yield its port.
+
+    The server gets its own interpreter (its own GIL: the clients' threads do not slow its engine).
+    On exit it is stopped with SIGTERM (then killed if it has not ended within 15 s).
+
+    Raises:
+        RuntimeError: it ended, or printed no address within ``timeout`` seconds (its output is quoted).
+    """
+    command = [sys.executable, "-m", "parallel_lib.serving.http", "--port", "0", "--quiet", *options]
+    with tempfile.TemporaryFile("a+") as log:  # a file, not a pipe (a chatty server never blocks); appended to
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not (found := re.search(r"http://127\.0\.0\.1:(\d+)/", _read(log))):
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"the server did not start within {timeout} s: {' '.join(command)}\n"
+                                       + _read(log)[-2000:])
+                time.sleep(0.1)
+            yield int(found.group(1))
+        finally:
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(15)
+
+
+def _read(file) -> str:
+    file.seek(0)
+    return file.read()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m parallel_lib.serving.load``: drive a server (or one of its own) and print the table."""
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.serving.load", description=__doc__.split("\n")[0])
-    parser.add_argument("--url", help="a running server (default: serve a tiny GPT-2 here for the run)")
+    parser.add_argument("--url", help="a running server (default: start one in its own process for the run)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--vocab-size", type=int, default=97)
     parser.add_argument("--clients", type=int, default=32)
@@ -211,17 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report = run_load(parts.hostname or "", parts.port or 80, bodies, args.clients)
         print(markdown(report, "the server's machine (not measured here)"))
         return 0 if report.lost == 0 else 1
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        model = ServeConfig(model=args.model, vocab_size=args.vocab_size).build().to(args.device)
-        engine = ServingEngine(model, args.num_blocks, 16, args.max_batch)
-        with CompletionServer(engine, model=args.model, max_connections=max(64, 2 * args.clients)) as server:
-            report = run_load("127.0.0.1", server.port, bodies, args.clients)
-    finally:
-        torch.set_num_threads(threads)
-    print(markdown(report, f"{machine_label()}, server {args.model} GPT-2 on {args.device}, torch threads "
-                           f"{args.threads}, max_batch {args.max_batch}"))
+    options = ["--model", args.model, "--vocab-size", str(args.vocab_size), "--max-batch", str(args.max_batch),
+               "--num-blocks", str(args.num_blocks), "--device", args.device, "--threads", str(args.threads),
+               "--max-connections", str(max(64, 2 * args.clients))]
+    with served(options) as port:
+        report = run_load("127.0.0.1", port, bodies, args.clients)
+    print(markdown(report, f"{machine_label()}; server in its own process: {args.model} GPT-2 on {args.device}, "
+                           f"torch threads {args.threads}, max_batch {args.max_batch}"))
     return 0 if report.lost == 0 else 1
 
 
