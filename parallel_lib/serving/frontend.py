@@ -90,7 +90,10 @@ class Frontend:
 
         with Frontend(engine) as front:
             ticket = front.submit(Request([1, 2, 3], 8))
-            while not (update := ticket.next(timeout=1.0)) or not update.done: ...
+            tokens, update = [], None
+            while update is None or not update.done:
+                update = ticket.next(timeout=1.0)
+                tokens += update.tokens if update else []
 
     Args:
         engine: the engine; only the front end's thread touches it while the front end runs.
