@@ -358,6 +358,8 @@ def test_pytorch_context_parallel_beside_ours(on_ranks):
             assert theirs["output"] < ATOL
         else:  # its dispatcher intercepts the CUDA kernels only; the CPU kernel has no sharding rule
             assert "_scaled_dot_product_flash_attention_for_cpu" in theirs["error"], theirs["error"]
+            assert theirs["error"] == ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu"
+                                       ".default does not have a sharding strategy registered."), theirs["error"]
 
 
 def test_measurements_report_the_census_the_work_and_the_bytes(on_ranks):
