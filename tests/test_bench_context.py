@@ -29,8 +29,8 @@ def test_quick_context_benchmark_prints_memory_work_and_hiding(capsys):
     assert "| zigzag | 2 | 1,152, 1,152 | 1.00 : 1 | 3 : 1 |" in out
     assert re.search(r"- predicted \(α–β, this machine\): hidden from sequence [\d,]+", out)
     assert re.search(r"- measured: hidden from sequence ([\d,]+|none of those measured)", out)
-    # at H100 figures: 4·b·n·d·L²/F = α + 2·b·n·d·2·L/β has its root at L ≈ 1,109 tokens per rank, s = 16·L rounded
-    # up to a multiple of 2·cp = 32
+    # at H100 figures: 4·b·n·d·L²/F = α + 2·b·n·d·2·L/β has its root at L ≈ 1,109 tokens per rank,
+    # s = 16·L rounded up to a multiple of 2·cp = 32
     assert "cp 16): hidden from sequence 17,760" in out
 
 

@@ -120,6 +120,7 @@ def _hiding(results: Results) -> list[str]:
     link = fit_alpha_beta("send", 2, [m.block_bytes for m in steps], [m.transfer_s for m in steps])
     predicted = hiding_seq_len(b, n, d, cp, rate, link.alpha, link.bandwidth)
     measured = measured_hiding_seq_len(steps)
+    seen = f"{measured:,}" if measured else f"none of those measured (up to {steps[-1].seq_len:,})"
     gpu = hiding_seq_len(flops_per_s=H100_FLOPS, latency_s=NVLINK_H100["latency"],
                          bytes_per_s=NVLINK_H100["bandwidth"], itemsize=2, **GPU_SHAPE)
     return [f"### When a ring step hides its transfer (cp = {cp}, {b} x {n} heads x {d}, fp32, tiles of "
@@ -129,8 +130,7 @@ def _hiding(results: Results) -> list[str]:
             f"- compute rate {rate / 1e9:.2f} GFLOP/s (ring_step_flops over the {longest.seq_len}-token step); "
             f"link fitted to the exchanges: α = {link.alpha * 1e6:.0f} µs, β = {link.bandwidth / 1e9:.2f} GB/s",
             f"- predicted (α–β, this machine): hidden from sequence {predicted:,}",
-            f"- measured: hidden from sequence "
-            f"{f'{measured:,}' if measured else 'none of those measured (from ' + f'{steps[-1].seq_len:,} on not yet)'}",
+            f"- measured: hidden from sequence {seen}",
             f"- predicted, NOT measured (H100 NVLink {NVLINK_H100['bandwidth'] / 1e9:.0f} GB/s, "
             f"{NVLINK_H100['latency'] * 1e6:.0f} µs, {H100_FLOPS / 1e12:.0f} TFLOP/s bf16; {GPU_SHAPE['heads']} heads "
             f"x {GPU_SHAPE['head_dim']} per rank, cp {GPU_SHAPE['cp']}): hidden from sequence {gpu:,}"]
@@ -139,6 +139,8 @@ def _hiding(results: Results) -> list[str]:
 def markdown(results: Results) -> str:
     """The three tables, each labelled with the machine."""
     c, shape = results.config, results.config.shape
+    deviation = census_deviation(results)
+    sent_equal = all(sent == _formula(row, shape)[1] for row in results.rows for sent in row["wire_bytes"])
     rows = []
     for row in results.rows:
         saved, sent = _formula(row, shape)
@@ -153,9 +155,8 @@ def markdown(results: Results) -> str:
            "formula.", "",
            markdown_table(["method", "layout", "cp", "sequence", "kept KiB/rank", "formula KiB", "fwd+bwd ms",
                            "sent KiB/rank", "formula KiB"], rows, "lllrrrrrr"), "",
-           f"Census vs formula, largest deviation: {census_deviation(results):.1%} "
-           f"({'within' if census_deviation(results) <= 0.05 else 'NOT within'} 5%); bytes sent vs formula: "
-           f"{'equal on every rank' if all(sent == _formula(row, shape)[1] for row in results.rows for sent in row['wire_bytes']) else 'DIFFERENT'}"]
+           f"Census vs formula, largest deviation: {deviation:.1%} ({'within' if deviation <= 0.05 else 'NOT within'} "
+           f"5%); bytes sent vs formula: {'equal on every rank' if sent_equal else 'DIFFERENT'}"]
     longest = max(c.seq_lens)
     balance = []
     for row in results.rows:

@@ -45,8 +45,8 @@ from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.runtime.mesh import Mesh
 
-__all__ = ["Shape", "Measured", "measure_one_process", "measure_on_ranks", "measure_context", "rank_rows", "RingStepMeasured",
-           "measure_ring_steps", "measured_hiding_seq_len"]
+__all__ = ["Shape", "Measured", "measure_one_process", "measure_on_ranks", "measure_context", "rank_rows",
+           "RingStepMeasured", "measure_ring_steps", "measured_hiding_seq_len"]
 
 # (method, layout) pairs run on ranks
 RANK_RUNS = (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous"))
