@@ -8,7 +8,8 @@ causal, fp32) and records, per rank:
   :class:`~parallel_lib.common.activations.SavedTensors`), beside :func:`.cost.attention_saved_bytes`;
 - ``seconds``: the median wall time of forward plus backward;
 - ``tiles`` and ``entries``: the attention tiles, and the score entries in them, computed
-  forward (:class:`.tiled.TileWork`): the work;
+  forward (:class:`.tiled.TileWork`): the work; ``compute_seconds``: the time of those tiles alone
+  (forward, no waiting for neighbours), the work timed;
 - ``wire_bytes``: bytes sent, forward and backward (the collective counter), beside :func:`.cost.cp_wire_bytes`.
 
 And, for when a ring step hides its transfer (:func:`.cost.hiding_seq_len`), one forward ring
@@ -22,7 +23,7 @@ timings give the prediction to set beside it (``python -m parallel_lib.bench con
 ``cp`` gloo ranks, one launch per cp holding every length. On a shared CPU the times are noisy
 and the transfers are memory copies: the memory and the work are the lesson. Every ring step
 waits for the slowest rank, so the ranks' times come out alike: the imbalance of the contiguous
-split shows in its total time against zig-zag's, and in the tiles.
+split shows in its total time against zig-zag's, in the tiles, and in each rank's compute time.
 """
 
 from __future__ import annotations
@@ -80,12 +81,14 @@ class Measured:
     tiles: tuple[int, ...]
     wire_bytes: tuple[float, ...]
     entries: tuple[int, ...] = ()    # score entries computed forward (the tiles' areas): the work, finer than tiles
+    compute_seconds: tuple[float, ...] = ()   # forward tile loops' time (TileWork.seconds): the work, timed, no waits
 
 
 def _run(attention: Any, inputs: Sequence[torch.Tensor], upstream: torch.Tensor, repeats: int
-         ) -> tuple[int, float, int, float, int]:
-    """``(saved bytes, median seconds, tiles, bytes sent, entries)`` of ``attention(*inputs)`` forward and backward."""
-    times, saved_bytes, tiles, sent, entries = [], 0, 0, 0.0, 0
+         ) -> tuple[int, float, int, float, int, float]:
+    """``(saved bytes, median seconds, tiles, bytes sent, entries, median forward compute seconds)`` of
+    ``attention(*inputs)`` forward and backward."""
+    times, computing, saved_bytes, tiles, sent, entries = [], [], 0, 0, 0.0, 0
     for i in range(repeats):
         leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
         work = TileWork()
@@ -94,9 +97,10 @@ def _run(attention: Any, inputs: Sequence[torch.Tensor], upstream: torch.Tensor,
             out = attention(*leaves, work)
             out.backward(upstream)
         times.append(time.perf_counter() - start)
+        computing.append(work.seconds)
         if i == 0:
             saved_bytes, tiles, sent, entries = saved.nbytes, work.tiles, counter.wire_bytes(), work.entries
-    return saved_bytes, statistics.median(times), tiles, sent, entries
+    return saved_bytes, statistics.median(times), tiles, sent, entries, statistics.median(computing)
 
 
 def _inputs(shape: Shape, seq_len: int, device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
@@ -123,11 +127,12 @@ def _one_process(seq_lens: Sequence[int], shape: Shape) -> list[Measured]:
         runs = {"full": lambda q, k, v, work: full_attention(q, k, v, causal=True),
                 "tiled": lambda q, k, v, work: tiled_attention(q, k, v, causal=True, block=shape.block, work=work)}
         for method, attention in runs.items():
-            saved, seconds, tiles, sent, entries = _run(attention, (q, k, v), upstream, shape.repeats)
+            saved, seconds, tiles, sent, entries, computing = _run(attention, (q, k, v), upstream, shape.repeats)
             if method == "full":
                 tiles = s * (s + 1) // 2  # every allowed entry, in one tile
                 entries = s * s           # the whole score matrix is computed, the masked entries too
-            found.append(Measured(method, "-", 1, s, (saved,), (seconds,), (tiles,), (sent,), (entries,)))
+            found.append(Measured(method, "-", 1, s, (saved,), (seconds,), (tiles,), (sent,), (entries,),
+                                  (computing,)))
     return found
 
 
@@ -154,9 +159,9 @@ def measure_on_ranks(rank: int, world_size: int, seq_lens: Sequence[int], shape:
                                      timeout=timeout, work=work)
 
                 torch.distributed.barrier(group=group)   # start together: the times compare ranks
-                saved, seconds, tiles, sent, entries = _run(run, (q, k, v), upstream, shape.repeats)
+                saved, seconds, tiles, sent, entries, computing = _run(run, (q, k, v), upstream, shape.repeats)
                 found.append(dict(method=method, layout=layout, seq_len=s, saved_bytes=saved, seconds=seconds,
-                                  tiles=tiles, wire_bytes=sent, entries=entries))
+                                  tiles=tiles, wire_bytes=sent, entries=entries, compute_seconds=computing))
     return found
 
 
@@ -191,7 +196,8 @@ def rank_rows(per_rank: Sequence[Sequence[dict]], cp: int) -> list[dict]:
         runs = [ranks[i] for ranks in per_rank]
         rows.append(asdict(Measured(first["method"], first["layout"], cp, first["seq_len"],
                                     *(tuple(r[key] for r in runs)
-                                      for key in ("saved_bytes", "seconds", "tiles", "wire_bytes", "entries")))))
+                                      for key in ("saved_bytes", "seconds", "tiles", "wire_bytes", "entries",
+                                                  "compute_seconds")))))
     return rows
 
 
