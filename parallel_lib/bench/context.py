@@ -128,7 +128,7 @@ def _hiding(results: Results) -> list[str]:
             markdown_table(["sequence", "tokens per rank", "compute ms", "transfer ms", "K+V block KiB", "hidden"],
                            rows, "rrrrrl"), "",
             f"- compute rate {rate / 1e9:.2f} GFLOP/s (ring_step_flops over the {longest.seq_len}-token step); "
-            f"link fitted to the exchanges: α = {link.alpha * 1e6:.0f} µs, β = {link.bandwidth / 1e9:.2f} GB/s",
+            f"link fitted to the exchanges: α = {link.alpha * 1e6:.0f} µs, β = {link.bandwidth / 1e9:.3g} GB/s",
             f"- predicted (α–β, this machine): hidden from sequence {predicted:,}",
             f"- measured: hidden from sequence {seen}",
             f"- predicted, NOT measured (H100 NVLink {NVLINK_H100['bandwidth'] / 1e9:.0f} GB/s, "
