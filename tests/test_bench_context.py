@@ -27,6 +27,8 @@ def test_quick_context_benchmark_prints_memory_work_and_hiding(capsys):
     # causal work at s = 64, cp = 2, tiles of 8: chunks of 16 tokens; contiguous 640 : 1,664 entries, zig-zag even
     assert "| contiguous | 2 | 640, 1,664 | 2.60 : 1 | 3 : 1 |" in out
     assert "| zigzag | 2 | 1,152, 1,152 | 1.00 : 1 | 3 : 1 |" in out
+    # one ring step's message is one K and one V block: 2 · 4 heads · 32 tokens · 8 · 4 bytes = 8 KiB at s = 64
+    assert re.search(r"\| 64 \| 32 \| [\d.,]+ \| [\d.,]+ \| 8 \| (yes|no) \|", out)
     assert re.search(r"- predicted \(α–β, this machine\): hidden from sequence [\d,]+", out)
     assert re.search(r"- measured: hidden from sequence ([\d,]+|none of those measured)", out)
     # at H100 figures: 4·b·n·d·L²/F = α + 2·b·n·d·2·L/β has its root at L ≈ 1,109 tokens per rank,
