@@ -120,3 +120,10 @@ def test_hidden_solutions_leave_the_chapter_12_checkers_running(monkeypatch):
     # expert-parallel forward and backward on 2 gloo ranks (test_exercises runs solutions.py's on ranks too)
     result = fresh.check_dispatch_rows(_dispatch())
     assert result.passed and "on 2 gloo ranks" in result.message, result.message
+
+
+def test_grade_notebook_scores_the_chapter_12_stubs_zero():
+    from parallel_lib.exercises import grade_notebook
+    grades = grade_notebook("notebooks/12_mixture_of_experts.ipynb")
+    assert [r.exercise for r in grades] == ["dispatch_rows", "combine_rows", "balance_effect"]
+    assert not any(r.passed for r in grades) and "score: 0 / 3" in repr(grades)
