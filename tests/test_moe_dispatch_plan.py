@@ -1,5 +1,6 @@
-"""Chapter 12's dispatch as data (expert_parallel.dispatch_plan) and the drawings replayed from it (viz.expert_parallel):
-the plan by hand, the replay consistent with what the ranks computed, every stage drawn, the widget stepping."""
+"""Chapter 12's dispatch as data (expert_parallel.dispatch_plan) and the drawings replayed from it
+(viz.expert_parallel): the plan by hand, the replay consistent with what the ranks computed, every stage drawn,
+the widget stepping."""
 
 from __future__ import annotations
 
