@@ -88,3 +88,8 @@ __all__ += ["check_largest_batch", "check_gqa_decode_step", "check_cache_step", 
 _CHECKERS.update({"check_choose_layout": "ch10", "check_oom_term": "ch10"})
 CHAPTERS = CHAPTERS + ("10",)
 __all__ += ["check_choose_layout", "check_oom_term"]
+
+# chapter 12 (appended: the registries above stay as they were)
+_CHECKERS.update({"check_dispatch_rows": "ch12", "check_combine_rows": "ch12", "check_balance_effect": "ch12"})
+CHAPTERS = CHAPTERS + ("12",)
+__all__ += ["check_dispatch_rows", "check_combine_rows", "check_balance_effect"]

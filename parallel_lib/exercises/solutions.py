@@ -25,7 +25,8 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order",
            "row_parallel_forward", "tp_operators", "vocab_cross_entropy",
            "linear_weight_grad", "interleaved_bubble", "SCHEDULE_LAB", "REPAIR_DEADLOCK",
-           "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT"]
+           "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT",
+           "dispatch_rows", "combine_rows", "BALANCE_EFFECT"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -333,3 +334,23 @@ def cache_step(k_cache, v_cache, k_new, v_new, lengths):
 # a 2-stage pipeline, a step of time t per stage: 1 request crosses both stages per token (1 token per 2t);
 # 4 requests make 2 groups that keep both stages busy, each group step yielding 2 tokens (4 tokens per 2t)
 PIPELINE_THROUGHPUT = (0.5, 2.0)
+
+
+# --------------------------------------------------------------------------- chapter 12
+def dispatch_rows(experts, kept, n_experts, ep):
+    token, slot = torch.nonzero(kept, as_tuple=True)             # the kept choices, in token order
+    order = torch.argsort(experts[token, slot], stable=True)     # sorted by expert
+    token, slot = token[order], slot[order]
+    counts = torch.bincount(experts[token, slot], minlength=n_experts)
+    send = counts.reshape(ep, n_experts // ep).sum(dim=1)       # rank q holds experts q·E/ep .. (q+1)·E/ep - 1
+    return send.tolist(), token, slot
+
+
+def combine_rows(back, token, slot, weights, n_tokens):
+    weighted = weights[token, slot].unsqueeze(1).to(back.dtype) * back
+    return back.new_zeros(n_tokens, back.shape[1]).index_add(0, token, weighted)  # a token's rows add up
+
+
+# without capacity every choice is computed (64 rows), the busiest expert falls from 63 to ~18;
+# with capacity 1.0 the busiest stays at its 16 slots, and the dropped choices (47 of 64) become rows again
+BALANCE_EFFECT = dict(no_capacity="busiest", capacity="total")
