@@ -209,6 +209,9 @@ class ServingEngine:
         tables = {s.id: self.blocks.table(s.id) for s in plan.sequences}
         fed = {s.id: b - a for s, a, b in zip(plan.sequences, plan.starts, plan.stops)}
         finished = []
+        # greedy rows take the batch's argmax, found in one call (sample() row by row costs ~50 us a row on a
+        # CPU, a tenth of a small model's decode step); a row with non-finite logits goes to sample() for its error
+        argmax, finite = logits.argmax(-1).tolist(), torch.isfinite(logits).all(-1).tolist()
         for row, (seq, stop) in enumerate(zip(plan.sequences, plan.stops)):
             tokens = seq.tokens
             seq.computed = stop
@@ -217,7 +220,8 @@ class ServingEngine:
                 continue  # a chunk of a prompt: nothing to sample yet
             result = seq.result
             try:
-                token = sample(logits[row], seq.request.temperature, seq.generator)
+                greedy = seq.request.temperature == 0.0 and finite[row]
+                token = argmax[row] if greedy else sample(logits[row], seq.request.temperature, seq.generator)
             except ValueError as error:
                 result.error = f"request {seq.id} failed at token {len(result.tokens)}: {error}"
             else:
