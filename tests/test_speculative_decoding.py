@@ -88,7 +88,7 @@ def test_k_0_is_the_target_alone_and_eos_stops_inside_a_round(model, expected):
 def test_bad_arguments_are_refused_by_name(model):
     with pytest.raises(ValueError, match="k must be an int >= 0"):
         SpeculativeDecoder(model, draft_from_target(model, 1), k=-1)
-    with pytest.raises(ValueError, match=r"layers must be an int in 1..3, got layers=4; a draft must be smaller than its target"):
+    with pytest.raises(ValueError, match=r"layers must be an int in 1..3, got layers=4; a draft must be smaller"):
         draft_from_target(model, 4)
     with pytest.raises(ValueError, match="draft's vocabulary \\(50 tokens\\) must be the target's \\(97\\)"):
         SpeculativeDecoder(model, build_gpt2("tiny", 50, n_layer=1))

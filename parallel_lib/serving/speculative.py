@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence as Seq
 
 import torch
 
@@ -53,6 +53,7 @@ from parallel_lib.models.hf import as_gpt2
 from parallel_lib.serving.block_manager import BlockManager, blocks_for
 from parallel_lib.serving.layout import paged_forward, step_layout
 from parallel_lib.serving.paged_kv_cache import PagedKVCache
+from parallel_lib.serving.scheduler import Sequence
 
 __all__ = ["draft_from_target", "probabilities", "draw", "verify_token", "SpeculativeStats", "SpeculativeDecoder"]
 
@@ -142,22 +143,14 @@ class SpeculativeStats:
         return self.tokens / self.rounds if self.rounds else 0.0
 
 
-class _Row:
-    """One request in a group: its tokens, how many of them each model holds in its pool, its stream."""
+@dataclass(eq=False)
+class _Row(Sequence):
+    """A request in a group: the engine's :class:`~parallel_lib.serving.scheduler.Sequence` (``computed``:
+    tokens valid in the target's pool) with what the draft holds and this round's guesses."""
 
-    def __init__(self, index: int, request: Request, result: Result) -> None:
-        self.index, self.request, self.result = index, request, result
-        self.tokens = list(request.prompt)
-        self.target_done = 0  # leading tokens whose keys and values are valid in the target's pool
-        self.draft_done = 0   # ... in the draft's pool
-        self.generator = torch.Generator().manual_seed(request.seed)
-        self.guesses: list[int] = []
-        self.q: list[torch.Tensor] = []  # the draft's probabilities of each guess (sampling only)
-
-    def finished(self) -> bool:
-        r, out = self.request, self.result.tokens
-        return (self.result.error is not None or len(out) >= r.max_new_tokens
-                or (r.eos is not None and bool(out) and out[-1] == r.eos))
+    draft_done: int = 0                                            # tokens valid in the draft's pool
+    guesses: list[int] = field(default_factory=list)
+    q: list[Optional[torch.Tensor]] = field(default_factory=list)  # the draft's probabilities of each guess
 
 
 class SpeculativeDecoder:
@@ -189,7 +182,7 @@ class SpeculativeDecoder:
         self.device = next(self.target.parameters()).device
         self.stats = SpeculativeStats()
 
-    def run(self, requests: Sequence[Request]) -> list[Result]:
+    def run(self, requests: Seq[Request]) -> list[Result]:
         """Serve ``requests`` (indices ``0..n-1``), ``max_batch`` at a time; one Result each, in order.
 
         Raises:
@@ -201,10 +194,11 @@ class SpeculativeDecoder:
         results = {r.index: r for r in refused}
         t0, arrival = time.perf_counter(), 0.0
         for start in range(0, len(admitted), self.max_batch):
-            rows = [_Row(i, requests[i], Result(i, arrival=arrival, served_by=str(self.device)))
+            rows = [_Row(i, requests[i], Result(i, arrival=arrival, served_by=str(self.device)),
+                         generator=torch.Generator().manual_seed(requests[i].seed))
                     for i in admitted[start:start + self.max_batch]]
             self._serve(rows, t0)
-            results.update({row.index: row.result for row in rows})
+            results.update({row.id: row.result for row in rows})
         return [results[i] for i in indices]
 
     # --- one group ---------------------------------------------------------------------------------
@@ -212,7 +206,7 @@ class SpeculativeDecoder:
         c = model.config
         blocks = BlockManager(sum(blocks_for(r.request.slots, self.block_size) for r in rows), self.block_size)
         for r in rows:
-            blocks.allocate(r.index, [0] * r.request.slots)
+            blocks.allocate(r.id, [0] * r.request.slots)
         param = next(model.parameters())
         return blocks, PagedKVCache(range(c.n_layer), blocks.num_blocks, self.block_size, c.n_head,
                                     c.n_embd // c.n_head, param.dtype, param.device)
@@ -223,7 +217,7 @@ class SpeculativeDecoder:
         """One padded pass of ``model`` feeding each row ``tokens`` from ``starts``; each row's logits (fed, V)."""
         blocks, cache = pool
         stops = [s + len(t) for s, t in zip(starts, tokens)]
-        layout = step_layout([blocks.tables[r.index] for r in rows], tokens, starts, stops, self.block_size,
+        layout = step_layout([blocks.tables[r.id] for r in rows], tokens, starts, stops, self.block_size,
                              flat=False, device=self.device)
         x = paged_forward(model, cache.at(layout.write, layout.valid, layout.read), layout)
         logits = model.lm_head(x).float().cpu()                                              # (b, S, V)
@@ -244,11 +238,11 @@ class SpeculativeDecoder:
         active = list(rows)
         while active:
             # how many guesses each row makes: k, fewer near its limit (the target's token ends the round)
-            want = {r.index: min(self.k, r.request.max_new_tokens - len(r.result.tokens) - 1) for r in active}
+            want = {r.id: min(self.k, r.request.max_new_tokens - len(r.result.tokens) - 1) for r in active}
             for r in active:
                 r.guesses, r.q = [], []
             for j in range(self.k):
-                guessing = [r for r in active if want[r.index] > j]
+                guessing = [r for r in active if want[r.id] > j]
                 if not guessing:
                     break
                 fed = [(r.tokens + r.guesses)[r.draft_done:] for r in guessing]
@@ -259,17 +253,17 @@ class SpeculativeDecoder:
                     try:
                         token, q = self._pick(r, logits[-1])
                     except ValueError as error:  # its result says so; the row leaves the group
-                        r.result.error = f"request {r.index} failed in the draft at token {len(r.result.tokens)}: " \
+                        r.result.error = f"request {r.id} failed in the draft at token {len(r.result.tokens)}: " \
                                          f"{error}"
-                        want[r.index] = j
+                        want[r.id] = j
                         continue
                     r.guesses.append(token)
                     r.q.append(q)
             active = [r for r in active if r.result.error is None]
             if not active:
                 break
-            fed = [(r.tokens + r.guesses)[r.target_done:] for r in active]
-            out = self._pass(self.target, target, active, [r.target_done for r in active], fed)
+            fed = [(r.tokens + r.guesses)[r.computed:] for r in active]
+            out = self._pass(self.target, target, active, [r.computed for r in active], fed)
             self.stats.target_passes += 1
             now = time.perf_counter() - t0
             for r, logits in zip(active, out):
@@ -294,7 +288,7 @@ class SpeculativeDecoder:
             else:
                 new.append(self._pick(row, logits[len(row.guesses)])[0])  # every guess accepted: a bonus token
         except ValueError as error:
-            row.result.error = f"request {row.index} failed at token {len(row.result.tokens)}: {error}"
+            row.result.error = f"request {row.id} failed at token {len(row.result.tokens)}: {error}"
         stats, eos = self.stats, row.request.eos
         stats.rounds, stats.proposed, stats.accepted = stats.rounds + 1, stats.proposed + len(row.guesses), \
             stats.accepted + accepted
@@ -304,8 +298,7 @@ class SpeculativeDecoder:
             stats.tokens += 1
             if eos is not None and token == eos:
                 break
-        row.tokens += row.result.tokens[len(row.tokens) - len(row.request.prompt):]
         # the target holds keys and values for the old tokens and the accepted guesses; the draft for what
         # it was fed, as far as it agrees with them; the last new token is in neither yet
-        row.target_done = old + accepted
+        row.computed = old + accepted
         row.draft_done = min(row.draft_done, old + accepted)
