@@ -25,11 +25,11 @@ finished row at the next step. With uniform output lengths a group's longest req
 twice its mean; with log-uniform ones, about four times.
 
 The numbers are this machine's, measured in real time: a loaded CPU slows both alike, and the
-trace's rate decides how busy the engines are. The model is GPT-2 "small" (6 layers of 256), whose
-passes cost mostly arithmetic on a CPU; on "tiny" (``--model tiny``, 4 layers of 64) a pass costs
-mostly Python and dispatch, and the continuous engine's pass (block-table layout, the paged gather,
-a prompt beside the decodes in most passes) costs more of it than the static engine's, which eats
-much of the gain in passes. Torch runs on ``--threads`` intra-op threads (1 by
+trace's rate decides how busy the engines are. The throughput ratio is at most the ratio of forward
+passes (printed): it falls short by what a continuous pass costs more than a static one (building
+the block-table layout, the paged gather, a prompt beside the decodes in many passes). On GPT-2
+"tiny" (the default, 4 layers of 64) a pass costs mostly Python and dispatch; ``--model small`` (6
+layers of 256) is closer to real serving, where a pass costs arithmetic. Torch runs on ``--threads`` intra-op threads (1 by
 default: on a shared CPU more threads mostly wait for each other).
 """
 
@@ -65,7 +65,7 @@ class Config:
     block_size: int = 16
     seed: int = 0
     threads: int = 1
-    model: str = "small"
+    model: str = "tiny"
     max_step_tokens: int = 32
     shared_prefix: int = 32
     repeats: int = 3
@@ -74,7 +74,7 @@ class Config:
     draft_layers: int = 1
 
 
-QUICK = Config(model="tiny", requests=8, rate=200.0, prompt_lengths=(2, 12), output_lengths=(1, 8), max_batch=4, block_size=4,
+QUICK = Config(requests=8, rate=200.0, prompt_lengths=(2, 12), output_lengths=(1, 8), max_batch=4, block_size=4,
                max_step_tokens=6, shared_prefix=8, repeats=1, speculative_requests=2, k=2)
 
 
@@ -245,7 +245,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, help="the trace's seed (default 0)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default 1)")
     parser.add_argument("--outputs", choices=["uniform", "log-uniform"], help="output lengths (default log-uniform)")
-    parser.add_argument("--model", choices=["tiny", "small"], help="GPT-2 size (default small)")
+    parser.add_argument("--model", choices=["tiny", "small"], help="GPT-2 size (default tiny)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else Config()
     for field in ("requests", "rate", "seed", "threads", "outputs", "model"):
