@@ -41,18 +41,19 @@ def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, ex
          ("sharding", 0, "needs >= 2 GPUs, found 0"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 0"), ("schedules", 0, "needs >= 2 GPUs, found 0"),
          ("inference", 0, "needs >= 1 GPU, found 0"),
-         ("grid3d", 0, "needs >= 2 GPUs, found 0")]),
+         ("grid3d", 0, "needs >= 2 GPUs, found 0"), ("expert_parallel", 0, "needs >= 2 GPUs, found 0")]),
     (1, [("setup", 1, ""), ("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
          ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1"),
          ("hybrid", 0, "needs >= 2 GPUs, found 1"), ("sharding", 0, "needs >= 2 GPUs, found 1"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 1"), ("schedules", 0, "needs >= 2 GPUs, found 1"),
-         ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1")]),
+         ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1"),
+         ("expert_parallel", 0, "needs >= 2 GPUs, found 1")]),
     (2, [("setup", 2, ""), ("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""),
          ("hybrid", 2, ""), ("sharding", 2, ""), ("tensor_parallel", 2, ""), ("schedules", 2, ""),
-         ("inference", 2, ""), ("grid3d", 2, "")]),
+         ("inference", 2, ""), ("grid3d", 2, ""), ("expert_parallel", 2, "")]),
     (4, [("setup", 4, ""), ("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""),
          ("hybrid", 4, ""), ("sharding", 4, ""), ("tensor_parallel", 4, ""), ("schedules", 4, ""),
-         ("inference", 4, ""), ("grid3d", 4, "")]),
+         ("inference", 4, ""), ("grid3d", 4, ""), ("expert_parallel", 4, "")]),
 ])
 def test_plan_by_gpu_count(n_gpus, expected):
     assert plan(n_gpus) == [Planned(*row) for row in expected]
@@ -64,10 +65,10 @@ def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
 
     assert quick == {"setup": 8, "hybrid": 8, "dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
                      "tensor_parallel": 8, "schedules": 4, "inference": 8,
-                     "grid3d": 8}
+                     "grid3d": 8, "expert_parallel": 8}
     assert full == {"setup": 16, "hybrid": 16, "dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
                     "tensor_parallel": 16, "schedules": 12, "inference": 16,
-                    "grid3d": 16}
+                    "grid3d": 16, "expert_parallel": 16}
 
 
 def test_plan_only_and_its_table():
@@ -91,7 +92,7 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
         ("pipeline", "04_pipeline_parallel"), ("hybrid", "05_choosing_a_strategy"),
         ("sharding", "06_sharded_data_parallel"),
         ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08b_v_shapes_and_hangs"), ("inference", "09_inference"),
-        ("grid3d", "10_training_at_scale")]
+        ("grid3d", "10_training_at_scale"), ("expert_parallel", "12_mixture_of_experts")]
     monkeypatch.setattr(gpu_checks, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
@@ -163,7 +164,8 @@ def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(mon
     assert fake_checks == [("setup", 2, True), ("dp", 2, True), ("allreduce", 2, True),
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
-                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
+                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
+                           ("expert_parallel", 2, True)]
     assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
     fake_checks.clear()
     assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
@@ -185,11 +187,12 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     assert fake_checks == [("setup", 2, True), ("dp", 2, True), ("allreduce", 2, True),
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
-                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
+                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
+                           ("expert_parallel", 2, True)]
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-15:-2]
+    summary = captured.out.splitlines()[-16:-2]
     assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
     total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
     seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
@@ -201,7 +204,8 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
         ["| sharding", "06_sharded_data_parallel", "passed"],
         ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08b_v_shapes_and_hangs", "passed"],
         ["| inference", "09_inference", "passed"],
-        ["| grid3d", "10_training_at_scale", "passed"]]
+        ["| grid3d", "10_training_at_scale", "passed"],
+        ["| expert_parallel", "12_mixture_of_experts", "passed"]]
 
 
 def test_main_with_one_gpu_runs_the_checks_that_need_one(monkeypatch, fake_checks):
@@ -325,3 +329,17 @@ def test_part_one_checks_run_on_cpu_ranks():
             or line.startswith("| 2 x 1")]
     assert [(r[0], r[1]) for r in rows] == [("| 1 x 2", "1f1b"), ("| 1 x 2", "gpipe"), ("| 2 x 1", "1f1b")]
     assert all(float(r[2]) < 1e-5 for r in rows)  # parameters as one process's
+
+
+def test_expert_parallel_check_on_cpu_ranks():
+    from parallel_lib.gpu_checks.ch12_expert_parallel import check_expert_parallel
+
+    out = check_expert_parallel(2, quick=True)
+    assert out.startswith("Expert parallelism on 2 ranks (4 experts, ")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| top_k=")]
+    assert [r[0] for r in rows] == ["| top_k=1", "| top_k=2, capacity_factor=1.0, shared_expert=True",
+                                    "| top_k=2, normalize=True, expert_compute=grouped"]
+    assert all(float(r[1]) < 1e-6 and float(r[2]) < 1e-5 for r in rows)  # as one process's
+    assert int(rows[1][4].rstrip(" |")) > 0 and int(rows[0][4].rstrip(" |")) == 0  # drops only with a capacity
+    assert "counted = formula on every rank" in out
+    assert "| 0 | " in out and "| 0.1 | " in out

@@ -30,6 +30,7 @@ from parallel_lib.expert_parallel.moe import MoEConfig, aux_loss_of
 from parallel_lib.expert_parallel.parallelize import moe_gpt2, parallelize_ep
 from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import Mesh
 
 __all__ = ["log_routing", "load_by_step"]
@@ -46,6 +47,9 @@ def log_routing(rank: int, world_size: int, fields: dict, aux_coef: float = 0.01
                 seq: int = 16, vocab: int = 64, lr: float = 1e-3, seed: int = 0, zipf: float = 0.0,
                 count: bool = False, expert_compute: str = "loop") -> dict[str, Any]:
     """A ``launch`` worker: ``steps`` AdamW steps of the expert-parallel tiny GPT-2 on random tokens, logged.
+
+    The model lives on the rank's device (its GPU under NCCL, where each step's time waits for its
+    kernels; the expert seconds then count the experts' kernel launches, not their run).
 
     Args:
         fields: :class:`~.moe.MoEConfig` fields.
@@ -75,13 +79,15 @@ def log_routing(rank: int, world_size: int, fields: dict, aux_coef: float = 0.01
         log["all_to_all"] = []
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
         model = parallelize_ep(moe_gpt2(build_model("tiny", vocab, seed=seed), config, seed=seed + 1), pm)
+        device = rank_device()
+        model.to(device)
         layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
         for layer in layers:
             layer.expert_compute = expert_compute
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         data = torch.Generator().manual_seed(seed * 1000 + rank)  # each rank its own rows
         for _ in range(steps):
-            ids = _tokens(rows, seq, vocab, zipf, data)
+            ids = _tokens(rows, seq, vocab, zipf, data).to(device)
             with count_collectives() if count else contextlib.nullcontext() as counter:
                 start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
@@ -90,6 +96,8 @@ def log_routing(rank: int, world_size: int, fields: dict, aux_coef: float = 0.01
                 loss.backward()
                 sync_ep_grads(model, pm.group("ep"))
                 optimizer.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 log["step_s"].append(time.perf_counter() - start)
             if count:
                 log["all_to_all"].append((counter.calls_of("all_to_all"), counter.nbytes("all_to_all"),

@@ -1,7 +1,7 @@
 """Exactness checks that run inside ranks: expert parallelism against the one-process mixture layer.
 
 Each function is a ``launch`` worker (``fn(rank, world_size, ...)``) that returns what it
-measured (largest differences, counts, counted collectives), so a test asserts them and a
+measured (on the rank's GPU under NCCL: the chapter's GPU check runs them) (largest differences, counts, counted collectives), so a test asserts them and a
 notebook prints them. Every rank builds the one-process layer from the same seed, runs it on
 the whole batch (every rank's tokens, ``token_groups = ep``), and compares its own share.
 """
@@ -24,6 +24,7 @@ from parallel_lib.expert_parallel.traffic import rows_leaving
 from parallel_lib.expert_parallel.uneven_all_to_all import exchange_counts
 from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import Mesh
 
 __all__ = ["global_parameters", "ep_matches_one_process", "gpt2_ep_check", "balanced_router", "ep_traffic_counted",
@@ -82,19 +83,20 @@ def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps:
     """
     results = []
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
-        group = pm.group("ep")
+        group, device = pm.group("ep"), rank_device()
         for n, fields in enumerate(cases):
             reference, layer = _layers(fields, world_size, group, seed + n)
+            layer.to(device)  # the rank's GPU under NCCL; the reference stays on the CPU
             config = reference.config
             data = torch.Generator().manual_seed(100 + n)
             x = torch.randn(world_size * tokens, HIDDEN, generator=data)
             u = torch.randn(world_size * tokens, HIDDEN, generator=data)
             mine = slice(rank * tokens, (rank + 1) * tokens)
-            x_ref, x_mine = x.clone().requires_grad_(True), x[mine].clone().requires_grad_(True)
+            x_ref, x_mine = x.clone().requires_grad_(True), x[mine].to(device).clone().requires_grad_(True)
             y_ref = reference(x_ref)
             ((y_ref * u).sum() / world_size + aux_coef * reference.aux_loss).backward()
             y = layer(x_mine)
-            ((y * u[mine]).sum() + aux_coef * layer.aux_loss).backward()
+            ((y * u[mine].to(device)).sum() + aux_coef * layer.aux_loss).backward()
             sync_ep_grads(layer, group)
             record, ref_record = layer.last, reference.last
             result = dict(output=max_abs_difference(y, y_ref[mine]),
@@ -114,8 +116,8 @@ def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps:
                     o.zero_grad(set_to_none=True)
                 y_ref = reference(x)
                 ((y_ref * u).sum() / world_size + aux_coef * reference.aux_loss).backward()
-                y = layer(x[mine])
-                ((y * u[mine]).sum() + aux_coef * layer.aux_loss).backward()
+                y = layer(x[mine].to(device))
+                ((y * u[mine].to(device)).sum() + aux_coef * layer.aux_loss).backward()
                 sync_ep_grads(layer, group)
                 for p in reference.parameters():  # as sync_ep_grads does: an unreached expert steps on zeros
                     if p.grad is None:
@@ -149,14 +151,14 @@ def ep_traffic_counted(rank: int, world_size: int, n_experts: int = 4, top_k: in
     """
     config = MoEConfig(n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor)
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
-        layer = ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=7), pm.group("ep"))
+        layer = ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=7), pm.group("ep")).to(rank_device())
         if capacity_factor is None:
             balanced_router(layer, n_experts)
             x = torch.zeros(tokens, HIDDEN)
             x[torch.arange(tokens), (torch.arange(tokens) + rank) % n_experts] = 1.0
         else:
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(rank))
-        x.requires_grad_(True)
+        x = x.to(rank_device()).requires_grad_(True)
         with count_collectives() as counter:
             y = layer(x)
             forward_calls = counter.calls_of("all_to_all")

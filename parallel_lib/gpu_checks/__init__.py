@@ -30,6 +30,7 @@ from parallel_lib.gpu_checks.ch07_tensor_parallel import check_tensor_parallel
 from parallel_lib.gpu_checks.ch08_schedules import check_schedules
 from parallel_lib.gpu_checks.ch09_inference import check_inference
 from parallel_lib.gpu_checks.ch10_grid3d import check_grid3d
+from parallel_lib.gpu_checks.ch12_expert_parallel import check_expert_parallel
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "workload_for",
            "device_counts", "free_memory"]
@@ -102,3 +103,6 @@ register_check("inference", Check("09_inference", 1, "serving on cuda:0, cuda:0.
                                   "the CPU engine's tokens", check_inference))
 register_check("grid3d", Check("10_training_at_scale", 2, "DP x TP x PP on NCCL ranks: equivalence with one "
                                "process, every group's traffic vs the formula", check_grid3d))
+register_check("expert_parallel", Check("12_mixture_of_experts", 2, "mixture of experts over NCCL ranks (ep): "
+                                        "equivalence with one process, all-to-all bytes vs the formula, load with "
+                                        "and without the balancing loss", check_expert_parallel))
