@@ -124,7 +124,8 @@ def real_models() -> list[list[str]]:
     return table
 
 
-def markdown(rows: Sequence[Row], compute: Sequence[tuple[int, int, int, dict[str, float]]], machine: str = "") -> str:
+def markdown(rows: Sequence[Row], compute: Sequence[tuple[int, int, int, dict[str, float]]],
+             machine: str = "") -> str:
     """The measured tables and the real models'."""
     machine = machine or machine_label()
     table = [[r.ep, r.top_k, f"{r.aux_coef:g}", f"{1e3 * r.step_s:.1f}", f"{r.expert_imbalance:.2f}",

@@ -1,8 +1,8 @@
 """Exactness checks that run inside ranks: expert parallelism against the one-process mixture layer.
 
 Each function is a ``launch`` worker (``fn(rank, world_size, ...)``) that returns what it
-measured (on the rank's GPU under NCCL: the chapter's GPU check runs them) (largest differences, counts, counted collectives), so a test asserts them and a
-notebook prints them. Every rank builds the one-process layer from the same seed, runs it on
+measured (largest differences, counts, counted collectives), so a test asserts them, a notebook
+prints them and the chapter's GPU check runs them on NCCL ranks (the layer on the rank's GPU). Every rank builds the one-process layer from the same seed, runs it on
 the whole batch (every rank's tokens, ``token_groups = ep``), and compares its own share.
 """
 
