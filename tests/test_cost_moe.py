@@ -35,11 +35,11 @@ def test_the_shape_counts_what_hugging_faces_mixtral_and_deepseek_v3_hold():
 
 
 def test_mixtral_and_deepseek_v3_match_their_published_parameter_counts():
-    # Mixtral of Experts (Jiang et al. 2024) sec. 2: 46.7B parameters, 12.9B used per token
+    # Mistral AI's "Mixtral of experts" (December 2023): 46.7B parameters, 12.9B used per token (the paper: 47B, 13B)
     assert MIXTRAL_8X7B.parameters() == pytest.approx(46.7e9, rel=0.01)
     assert MIXTRAL_8X7B.active_parameters() == pytest.approx(12.9e9, rel=0.01)
-    # DeepSeek-V3 Technical Report sec. 1/2: 671B parameters, 37B activated per token. Every parameter a token
-    # reads, embeddings included (Mixtral's convention), is 37.55B: 1.5% above the literal
+    # DeepSeek-V3 Technical Report, abstract and sec. 1: 671B parameters, 37B activated per token. Every parameter
+    # a token reads, embeddings included (Mixtral's convention), is 37.55B: 1.5% above the literal
     assert DEEPSEEK_V3.parameters() == pytest.approx(671e9, rel=0.01)
     assert DEEPSEEK_V3.active_parameters() == pytest.approx(37e9, rel=0.016)
     assert DEEPSEEK_V3.active_parameters() - DEEPSEEK_V3.vocab_size * DEEPSEEK_V3.n_embd == pytest.approx(

@@ -7,9 +7,11 @@ A mixture-of-experts model is a decoder whose MLPs (all of them, or all but the 
 - **parameters**: embeddings, head, every block's attention and norms, the dense MLPs, and per
   mixture layer the router (``E · h``) and ``E + shared`` experts; **active** parameters are those
   one token's forward reads: the same with ``k + shared`` experts per mixture layer. Tested against
-  the published literals of Mixtral 8x7B (46.7B, 12.9B active: Jiang et al. 2024, "Mixtral of
-  Experts", sec. 2) and DeepSeek-V3 (671B, 37B active: DeepSeek-AI 2024, "DeepSeek-V3 Technical
-  Report", sec. 2 and 4.2) in ``tests/test_cost_moe.py``, and against the tensor census of the
+  the published literals of Mixtral 8x7B (46.7B, 12.9B active: Mistral AI's announcement "Mixtral of
+  experts", December 2023; the paper, Jiang et al. 2024, rounds them to 47B and 13B, its sec. 2 and
+  table 1 give the sizes) and DeepSeek-V3 (671B, 37B active: DeepSeek-AI 2024, "DeepSeek-V3 Technical
+  Report", abstract and sec. 1; the sizes in sec. 2 and 4.2), and the tensor counts of Hugging Face's
+  classes, in ``tests/test_cost_moe.py``, and against the tensor census of the
   course's mixture GPT-2 on ranks (``tests/test_expert_parallel_ranks.py``).
 - **memory per GPU** (:func:`moe_memory`): experts are sharded over ``ep`` ranks, everything else
   is replicated; the ``dp`` data-parallel ranks hold ``ep``-sized groups, so an expert's copies
@@ -183,8 +185,8 @@ def gpt2_moe_shape(n_layer: int, n_embd: int, vocab_size: int, n_positions: int,
                     positions=n_positions, final_norm=2 * h, tied_head=True)
 
 
-# Mixtral 8x7B (Jiang et al. 2024, sec. 2, table 1): Mistral 7B's 32 blocks, h 4096, 32 heads with 8 key/value
-# heads, every MLP 8 SwiGLU experts of 14336, top-2, vocabulary 32000, untied head, RMSNorm
+# Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", sec. 2, table 1): Mistral 7B's 32 blocks, h 4096, 32 heads
+# with 8 key/value heads, every MLP 8 SwiGLU experts of 14336, top-2, vocabulary 32000, untied head, RMSNorm
 MIXTRAL_8X7B = MoEShape("Mixtral 8x7B", n_layer=32, n_embd=4096, vocab_size=32000,
                         attention=gqa_attention(4096, 32, 8), norms=2 * 4096, n_experts=8, top_k=2,
                         expert_ffn=14336, final_norm=4096)
