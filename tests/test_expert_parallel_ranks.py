@@ -133,7 +133,7 @@ def test_the_balancing_loss_keeps_measured_load_even_where_its_absence_lets_the_
     assert without[-1]["expert_imbalance"] > without[0]["expert_imbalance"] + 1  # it grew with training
     for s in without + with_loss:  # what every rank's experts computed is what every rank routed to them
         assert sum(s["per_rank"]) == sum(s["per_expert"]) == 4 * ep * BALANCE_RUN["rows"] * BALANCE_RUN["seq"]
-        assert s["step_s"] > 0 and s["busiest_expert_s"] > 0
+        assert s["step_s"] >= s["mean_step_s"] > 0 and s["busiest_expert_s"] > 0
 
 
 def test_a_training_steps_counted_all_to_all_bytes_equal_the_formula(ranks):

@@ -120,7 +120,8 @@ def load_by_step(logs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         rank's experts computed over the layers; ``expert_imbalance``: the busiest expert over the mean,
         averaged over the layers; ``rank_imbalance``: the same of the ranks; ``busiest_expert_s`` and
         ``mean_expert_s``: seconds the busiest rank's experts computed (the rank with the most rows) and
-        the mean over ranks; ``step_s``: the slowest rank's step (what every all-to-all waited for).
+        the mean over ranks; ``step_s``: the slowest rank's step (what every all-to-all waited for) and
+        ``mean_step_s`` the mean over ranks (close to it: a rank that finishes early waits in the next all-to-all).
 
     Raises:
         ValueError: no logs, or logs of different lengths.
@@ -139,5 +140,6 @@ def load_by_step(logs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                         expert_imbalance=sum(imbalance(c) for c in by_layer) / len(by_layer),
                         rank_imbalance=sum(imbalance(c) for c in received.t()) / received.shape[1],
                         busiest_expert_s=expert_s[busiest], mean_expert_s=sum(expert_s) / len(expert_s),
-                        step_s=max(log["step_s"][step] for log in logs)))
+                        step_s=max(log["step_s"][step] for log in logs),
+                        mean_step_s=sum(log["step_s"][step] for log in logs) / len(logs)))
     return out
