@@ -41,19 +41,19 @@ def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, ex
          ("sharding", 0, "needs >= 2 GPUs, found 0"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 0"), ("schedules", 0, "needs >= 2 GPUs, found 0"),
          ("inference", 0, "needs >= 1 GPU, found 0"),
-         ("grid3d", 0, "needs >= 2 GPUs, found 0"), ("context_parallel", 0, "needs >= 2 GPUs, found 0")]),
+         ("grid3d", 0, "needs >= 2 GPUs, found 0"), ("context_parallel", 0, "needs >= 2 GPUs, found 0"), ("expert_parallel", 0, "needs >= 2 GPUs, found 0")]),
     (1, [("setup", 1, ""), ("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
          ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1"),
          ("hybrid", 0, "needs >= 2 GPUs, found 1"), ("sharding", 0, "needs >= 2 GPUs, found 1"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 1"), ("schedules", 0, "needs >= 2 GPUs, found 1"),
          ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1"),
-         ("context_parallel", 0, "needs >= 2 GPUs, found 1")]),
+         ("context_parallel", 0, "needs >= 2 GPUs, found 1"), ("expert_parallel", 0, "needs >= 2 GPUs, found 1")]),
     (2, [("setup", 2, ""), ("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""),
          ("hybrid", 2, ""), ("sharding", 2, ""), ("tensor_parallel", 2, ""), ("schedules", 2, ""),
-         ("inference", 2, ""), ("grid3d", 2, ""), ("context_parallel", 2, "")]),
+         ("inference", 2, ""), ("grid3d", 2, ""), ("context_parallel", 2, ""), ("expert_parallel", 2, "")]),
     (4, [("setup", 4, ""), ("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""),
          ("hybrid", 4, ""), ("sharding", 4, ""), ("tensor_parallel", 4, ""), ("schedules", 4, ""),
-         ("inference", 4, ""), ("grid3d", 4, ""), ("context_parallel", 4, "")]),
+         ("inference", 4, ""), ("grid3d", 4, ""), ("context_parallel", 4, ""), ("expert_parallel", 4, "")]),
 ])
 def test_plan_by_gpu_count(n_gpus, expected):
     assert plan(n_gpus) == [Planned(*row) for row in expected]
@@ -65,10 +65,10 @@ def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
 
     assert quick == {"setup": 8, "hybrid": 8, "dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
                      "tensor_parallel": 8, "schedules": 4, "inference": 8,
-                     "grid3d": 8, "context_parallel": 8}
+                     "grid3d": 8, "context_parallel": 8, "expert_parallel": 8}
     assert full == {"setup": 16, "hybrid": 16, "dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
                     "tensor_parallel": 16, "schedules": 12, "inference": 16,
-                    "grid3d": 16, "context_parallel": 16}
+                    "grid3d": 16, "context_parallel": 16, "expert_parallel": 16}
 
 
 def test_plan_only_and_its_table():
@@ -92,7 +92,7 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
         ("pipeline", "04_pipeline_parallel"), ("hybrid", "05_choosing_a_strategy"),
         ("sharding", "06_sharded_data_parallel"),
         ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08b_v_shapes_and_hangs"), ("inference", "09_inference"),
-        ("grid3d", "10_training_at_scale"), ("context_parallel", "11_long_context")]
+        ("grid3d", "10_training_at_scale"), ("context_parallel", "11_long_context"), ("expert_parallel", "12_mixture_of_experts")]
     monkeypatch.setattr(gpu_checks, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
@@ -165,7 +165,7 @@ def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(mon
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
                            ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
-                           ("context_parallel", 2, True)]
+                           ("context_parallel", 2, True), ("expert_parallel", 2, True)]
     assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
     fake_checks.clear()
     assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
@@ -188,7 +188,7 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
                            ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
-                           ("context_parallel", 2, True)]
+                           ("context_parallel", 2, True), ("expert_parallel", 2, True)]
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran

@@ -51,7 +51,7 @@ def test_balancing_loss_by_hand():
     assert imbalance(torch.tensor([3, 1])) == 1.5
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])  # no limit, or capacity = every token
+@pytest.mark.parametrize("capacity_factor", [None, 1.0, 3.0])  # no limit, capacity = every token, more
 def test_one_expert_top_1_no_drops_is_the_dense_mlp_exactly(capacity_factor):
     model = build_model("tiny", 64, seed=3)
     mlp = model.transformer.h[0].mlp
@@ -59,6 +59,28 @@ def test_one_expert_top_1_no_drops_is_the_dense_mlp_exactly(capacity_factor):
     moe.experts[0] = Expert.from_mlp(mlp)
     x = torch.randn(2, 5, 64)
     assert torch.equal(moe(x), mlp(x)) and moe.last.dropped == 0
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_the_mixture_gpt2_with_one_expert_top_1_is_the_dense_gpt2_exactly(capacity_factor):
+    """Every block's MLP swapped for one expert holding its weights, top-1, nothing dropped: the same logits and
+    the same gradients, bit for bit (the router's weight is softmax over one expert: exactly 1)."""
+    from parallel_lib.expert_parallel import moe_gpt2
+
+    dense = build_model("tiny", 64, seed=3)
+    moe = moe_gpt2(build_model("tiny", 64, seed=3), MoEConfig(n_experts=1, top_k=1, capacity_factor=capacity_factor))
+    for block, dense_block in zip(moe.transformer.h, dense.transformer.h):
+        block.mlp.experts[0] = Expert.from_mlp(dense_block.mlp)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, dense_logits = moe(ids[:, :-1]), dense(ids[:, :-1])
+    assert torch.equal(logits, dense_logits)
+    moe.loss(logits, ids[:, 1:]).backward()
+    dense.loss(dense_logits, ids[:, 1:]).backward()
+    moe_grads = dict(moe.named_parameters())
+    for name, p in dense.named_parameters():
+        name = name.replace(".mlp.", ".mlp.experts.0.")
+        assert torch.equal(moe_grads[name].grad, p.grad), name
+    assert all(float(b.mlp.aux_loss.detach()) == 1.0 for b in moe.transformer.h)  # one expert: perfect balance
 
 
 def test_the_layer_sums_each_kept_choice_weighted_and_the_shared_expert():

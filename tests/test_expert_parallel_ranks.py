@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_lib.expert_parallel import ep_traffic, tokens_per_rank
-from parallel_lib.expert_parallel.verify import HIDDEN, ep_checks
+from parallel_lib.cost import gpt2_moe_shape, moe_memory
+from parallel_lib.expert_parallel import ep_traffic, load_by_step, tokens_per_rank
+from parallel_lib.expert_parallel.verify import BALANCE_RUN, HIDDEN, ep_checks
 from parallel_lib.runtime import launch
 
 CASES = [
@@ -22,7 +23,8 @@ TOKENS = 16  # per rank (verify.ep_matches_one_process's default)
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ranks(request):
-    return request.param, launch(ep_checks, request.param, CASES, GPT2_CASES, backend="gloo", timeout=180)
+    ep = request.param  # the balancing-loss runs (two trainings of 8 steps) at ep = 2 only
+    return ep, launch(ep_checks, ep, CASES, GPT2_CASES, 3, ep == 2, backend="gloo", timeout=180)
 
 
 def test_outputs_gradients_and_adamw_steps_equal_one_process(ranks):
@@ -100,3 +102,56 @@ def test_bad_splits_and_absent_peers_are_named(ranks):
                                                 f"n_experts={2 * ep - 1}: each rank holds n/ep experts")
     assert results[0]["refusals"]["timeout"].startswith(
         "TimeoutError: rank 0 (rank 0 of its ep group): the all-to-all of counts: nothing within timeout=1 s")
+
+
+def test_memory_per_rank_by_census_equals_the_formula(ranks):
+    """The tiny mixture GPT-2 (2·ep experts, top-2, a shared expert) after an AdamW step: each rank holds everything
+    replicated and E/ep experts of each layer, 4 + 4 + 8 bytes per parameter in fp32."""
+    ep, results = ranks
+    shape = gpt2_moe_shape(n_layer=4, n_embd=64, vocab_size=64, n_positions=128, n_experts=2 * ep, top_k=2,
+                           shared_experts=1)
+    formula = moe_memory(shape, ep, precision="fp32")
+    for r in results:
+        c = r["census"]
+        assert c["parameters"] == shape.rank_parameters(ep) == formula["parameters"]
+        assert (c["params"], c["grads"], c["moments"]) == (formula["params"], formula["grads"], formula["optimizer"])
+    one_expert = 2 * 64 * 256 + 256 + 64  # c_fc and c_proj with their biases
+    assert shape.rank_parameters(1) - shape.rank_parameters(ep) == 4 * (2 * ep - 2) * one_expert
+
+
+def test_the_balancing_loss_keeps_measured_load_even_where_its_absence_lets_the_router_collapse(ranks):
+    ep, results = ranks
+    if ep != 2:
+        pytest.skip("measured at ep = 2")
+    without, with_loss = (load_by_step([r["balance"][aux] for r in results]) for aux in (0.0, 0.1))
+    assert without[0]["per_expert"] == with_loss[0]["per_expert"]  # the same seeded start
+    late = slice(-3, None)  # the last 3 of 8 steps, 4 layers each: busiest expert / mean, busiest rank / mean
+    collapsed = [s["expert_imbalance"] for s in without[late]]
+    balanced = [s["expert_imbalance"] for s in with_loss[late]]
+    assert min(collapsed) > 2.5 and max(balanced) < 2.3, (collapsed, balanced)  # 4 experts: 4.0 is total collapse
+    assert max(s["rank_imbalance"] for s in with_loss[late]) < min(s["rank_imbalance"] for s in without[late])
+    assert without[-1]["expert_imbalance"] > without[0]["expert_imbalance"] + 1  # it grew with training
+    for s in without + with_loss:  # what every rank's experts computed is what every rank routed to them
+        assert sum(s["per_rank"]) == sum(s["per_expert"]) == 4 * ep * BALANCE_RUN["rows"] * BALANCE_RUN["seq"]
+        assert s["step_s"] >= s["mean_step_s"] > 0 and s["busiest_expert_s"] > 0
+
+
+def test_a_training_steps_counted_all_to_all_bytes_equal_the_formula(ranks):
+    """Nothing dropped (no capacity limit): over the ranks, every step's counted all-to-all bytes are the formula's
+    exactly, the tiny GPT-2's 4 mixture layers together, whatever the imbalance. Rank by rank, the dispatch and the
+    backward of the combine send the rank's own T·k rows, the combine and the backward of the dispatch the rows its
+    experts received: equal to the formula's share only when routing is balanced."""
+    ep, results = ranks
+    if ep != 2:
+        pytest.skip("measured at ep = 2")
+    tokens = BALANCE_RUN["rows"] * BALANCE_RUN["seq"]
+    layer = ep_traffic(tokens=tokens, top_k=1, hidden=64, n_experts=2 * ep, ep=ep)
+    for aux in (0.0, 0.1):
+        for step in range(BALANCE_RUN["steps"]):
+            counted = [r["balance"][aux]["all_to_all"][step] for r in results]
+            assert all(calls == 4 * (layer.calls_forward + layer.calls_backward) for calls, _, _ in counted)
+            assert sum(message for _, message, _ in counted) == ep * 4 * layer.message_bytes
+            assert sum(wire for _, _, wire in counted) == ep * 4 * layer.wire_bytes
+            for r, (_, message, _) in zip(results, counted):
+                received = r["balance"][aux]["received"][step]  # per layer
+                assert message == sum(2 * (tokens + n) * 64 * 4 + layer.count_bytes for n in received)

@@ -22,7 +22,7 @@ from parallel_lib.expert_parallel.expert_compute import EXPERT_COMPUTE, run_expe
 from parallel_lib.expert_parallel.expert_parallel_moe import ExpertParallelMoE, expert_parameters, sync_ep_grads
 from parallel_lib.expert_parallel.moe import MoE, MoEConfig, RoutingRecord, aux_loss_of, route_tokens
 from parallel_lib.expert_parallel.parallelize import ep_group_of, moe_gpt2, parallelize_ep
-from parallel_lib.expert_parallel.routing_log import log_routing
+from parallel_lib.expert_parallel.routing_log import load_by_step, log_routing
 from parallel_lib.expert_parallel.router import Router, Routing, top_k_route
 from parallel_lib.expert_parallel.traffic import EPTraffic, ep_traffic, rows_leaving
 
@@ -31,4 +31,4 @@ __all__ = ["Routing", "Router", "top_k_route", "expert_capacity", "keep_within_c
            "route_tokens", "aux_loss_of", "exchange_counts", "all_to_all", "AllToAll", "ExpertParallelMoE",
            "sync_ep_grads", "expert_parameters", "EPTraffic", "ep_traffic", "rows_leaving", "moe_gpt2",
            "EXPERT_COMPUTE", "run_experts", "time_expert_compute",
-           "parallelize_ep", "ep_group_of", "log_routing"]
+           "parallelize_ep", "ep_group_of", "log_routing", "load_by_step"]

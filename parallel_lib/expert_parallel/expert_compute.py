@@ -77,10 +77,11 @@ def run_experts(experts: Sequence[nn.Module], rows: torch.Tensor, expert_of_row:
 
 
 def time_expert_compute(n_experts: int = 8, tokens: int = 4096, hidden: int = 256, repeat: int = 5,
-                        seed: int = 0) -> dict[str, float]:
+                        seed: int = 0, device: str = "cpu") -> dict[str, float]:
     """Median seconds of a forward and backward of ``n_experts`` GPT-2 experts on ``tokens`` rows, both ways.
 
     A benchmark (not a test): routing is uniform at random, widths ``hidden -> 4·hidden -> hidden``.
+    On a GPU (``device="cuda"``) each timing waits for the device's kernels to finish.
 
     Raises:
         ValueError: a count below 1.
@@ -95,14 +96,18 @@ def time_expert_compute(n_experts: int = 8, tokens: int = 4096, hidden: int = 25
         experts = nn.ModuleList(Expert(hidden, 4 * hidden) for _ in range(n_experts))
         for p in experts.parameters():
             nn.init.normal_(p, 0.0, 0.02)
-    rows = torch.randn(tokens, hidden, generator=generator)
-    expert_of_row = torch.randint(0, n_experts, (tokens,), generator=generator)
+    experts = experts.to(device)
+    rows = torch.randn(tokens, hidden, generator=generator).to(device)
+    expert_of_row = torch.randint(0, n_experts, (tokens,), generator=generator).to(device)
+    wait = torch.cuda.synchronize if rows.is_cuda else (lambda: None)
     times: dict[str, float] = {}
     for how in EXPERT_COMPUTE:
         spent = []
         for _ in range(repeat + 1):  # the first is a warm-up
+            wait()
             start = time.perf_counter()
             run_experts(experts, rows, expert_of_row, how).sum().backward()
+            wait()
             spent.append(time.perf_counter() - start)
         times[how] = sorted(spent[1:])[len(spent[1:]) // 2]
     return times

@@ -21,6 +21,7 @@ the parameters follow the one-process layer's step for step (proved in
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -67,6 +68,7 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(moe.experts[self.first_expert:self.first_expert + self.local])
         self.last: Optional[RoutingRecord] = None
         self.received = 0  # rows this rank's experts computed in the last forward (its load)
+        self.compute_s = 0.0  # seconds its experts took on them in the last forward (the straggler's cost)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -89,7 +91,9 @@ class ExpertParallelMoE(nn.Module):
         self.received = rows.shape[0]
         expert_of_row = torch.arange(self.local, device=rows.device).repeat(self.ep).repeat_interleave(
             incoming.reshape(-1))
+        start = time.perf_counter()
         done = run_experts(self.experts, rows, expert_of_row, self.expert_compute)      # [5]
+        self.compute_s = time.perf_counter() - start
         back = all_to_all(done, receive, send, self.group, self.timeout)                # [6] my rows again
         weight = record.weights[token, slot, None].to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token, weight * back)                # [7]

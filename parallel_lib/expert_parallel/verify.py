@@ -1,8 +1,8 @@
 """Exactness checks that run inside ranks: expert parallelism against the one-process mixture layer.
 
 Each function is a ``launch`` worker (``fn(rank, world_size, ...)``) that returns what it
-measured (largest differences, counts, counted collectives), so a test asserts them and a
-notebook prints them. Every rank builds the one-process layer from the same seed, runs it on
+measured (largest differences, counts, counted collectives), so a test asserts them, a notebook
+prints them and the chapter's GPU check runs them on NCCL ranks (the layer on the rank's GPU). Every rank builds the one-process layer from the same seed, runs it on
 the whole batch (every rank's tokens, ``token_groups = ep``), and compares its own share.
 """
 
@@ -24,10 +24,11 @@ from parallel_lib.expert_parallel.traffic import rows_leaving
 from parallel_lib.expert_parallel.uneven_all_to_all import exchange_counts
 from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.collectives import count_collectives
+from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.mesh import Mesh
 
 __all__ = ["global_parameters", "ep_matches_one_process", "gpt2_ep_check", "balanced_router", "ep_traffic_counted",
-           "ep_refusals", "ep_idle_rank", "ep_checks"]
+           "ep_refusals", "ep_idle_rank", "ep_census", "ep_balance", "ep_checks", "BALANCE_RUN"]
 
 HIDDEN, INNER = 16, 32
 
@@ -82,19 +83,20 @@ def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps:
     """
     results = []
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
-        group = pm.group("ep")
+        group, device = pm.group("ep"), rank_device()
         for n, fields in enumerate(cases):
             reference, layer = _layers(fields, world_size, group, seed + n)
+            layer.to(device)  # the rank's GPU under NCCL; the reference stays on the CPU
             config = reference.config
             data = torch.Generator().manual_seed(100 + n)
             x = torch.randn(world_size * tokens, HIDDEN, generator=data)
             u = torch.randn(world_size * tokens, HIDDEN, generator=data)
             mine = slice(rank * tokens, (rank + 1) * tokens)
-            x_ref, x_mine = x.clone().requires_grad_(True), x[mine].clone().requires_grad_(True)
+            x_ref, x_mine = x.clone().requires_grad_(True), x[mine].to(device).clone().requires_grad_(True)
             y_ref = reference(x_ref)
             ((y_ref * u).sum() / world_size + aux_coef * reference.aux_loss).backward()
             y = layer(x_mine)
-            ((y * u[mine]).sum() + aux_coef * layer.aux_loss).backward()
+            ((y * u[mine].to(device)).sum() + aux_coef * layer.aux_loss).backward()
             sync_ep_grads(layer, group)
             record, ref_record = layer.last, reference.last
             result = dict(output=max_abs_difference(y, y_ref[mine]),
@@ -114,8 +116,8 @@ def ep_matches_one_process(rank: int, world_size: int, cases: list[dict], steps:
                     o.zero_grad(set_to_none=True)
                 y_ref = reference(x)
                 ((y_ref * u).sum() / world_size + aux_coef * reference.aux_loss).backward()
-                y = layer(x[mine])
-                ((y * u[mine]).sum() + aux_coef * layer.aux_loss).backward()
+                y = layer(x[mine].to(device))
+                ((y * u[mine].to(device)).sum() + aux_coef * layer.aux_loss).backward()
                 sync_ep_grads(layer, group)
                 for p in reference.parameters():  # as sync_ep_grads does: an unreached expert steps on zeros
                     if p.grad is None:
@@ -149,14 +151,14 @@ def ep_traffic_counted(rank: int, world_size: int, n_experts: int = 4, top_k: in
     """
     config = MoEConfig(n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor)
     with Mesh(ep=world_size).build(timeout=60.0) as pm:
-        layer = ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=7), pm.group("ep"))
+        layer = ExpertParallelMoE(MoE(HIDDEN, INNER, config, seed=7), pm.group("ep")).to(rank_device())
         if capacity_factor is None:
             balanced_router(layer, n_experts)
             x = torch.zeros(tokens, HIDDEN)
             x[torch.arange(tokens), (torch.arange(tokens) + rank) % n_experts] = 1.0
         else:
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(rank))
-        x.requires_grad_(True)
+        x = x.to(rank_device()).requires_grad_(True)
         with count_collectives() as counter:
             y = layer(x)
             forward_calls = counter.calls_of("all_to_all")
@@ -214,12 +216,54 @@ def ep_idle_rank(rank: int, world_size: int) -> dict[str, Any]:
                     router_grad=bool(layer.router.gate.weight.grad.abs().sum() > 0))
 
 
+def ep_census(rank: int, world_size: int, fields: dict, vocab: int = 64) -> dict[str, int]:
+    """The tensor census of one rank of the expert-parallel tiny GPT-2 after one AdamW step (fp32).
+
+    Returns:
+        ``parameters`` (elements this rank holds), and the bytes of its ``params``, ``grads`` and AdamW
+        ``moments`` (``exp_avg`` and ``exp_avg_sq``), each tensor's storage counted once.
+    """
+    with Mesh(ep=world_size).build(timeout=60.0) as pm:
+        model = parallelize_ep(moe_gpt2(build_model("tiny", vocab, seed=1), MoEConfig(**fields), seed=5), pm)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(rank))
+        (model.loss(model(ids[:, :-1]), ids[:, 1:]) + 0.01 * aux_loss_of(model)).backward()
+        sync_ep_grads(model, pm.group("ep"))
+        optimizer.step()
+        params = list(model.parameters())
+        moments = [optimizer.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+
+        def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+            return sum(storages.values())
+
+        return dict(parameters=sum(p.numel() for p in params), params=nbytes(params),
+                    grads=nbytes([p.grad for p in params]), moments=nbytes(moments))
+
+
+# the seeded run that shows the balancing loss at work: top-1 of 2·ep experts, Zipf-distributed tokens
+BALANCE_RUN = dict(steps=8, rows=2, seq=16, vocab=64, lr=1e-3, seed=0, zipf=1.2)
+
+
+def ep_balance(rank: int, world_size: int, aux_coefs: Sequence[float] = (0.0, 0.1)) -> dict[float, Any]:
+    """:func:`~.routing_log.log_routing` of :data:`BALANCE_RUN` once per balancing-loss weight, all-to-alls counted.
+
+    Returns:
+        ``{aux_coef: this rank's log}``; :func:`~.routing_log.load_by_step` reads the ranks' logs together.
+    """
+    return {aux: log_routing(rank, world_size, dict(n_experts=2 * world_size, top_k=1), aux, count=True, **BALANCE_RUN)
+            for aux in aux_coefs}
+
+
 def ep_checks(rank: int, world_size: int, cases: list[dict], gpt2_cases: Sequence[dict] = (),
-              steps: int = 3) -> dict[str, Any]:
+              steps: int = 3, balance: bool = False) -> dict[str, Any]:
     """Every check of one launch: :func:`ep_matches_one_process`, :func:`gpt2_ep_check` of each of
     ``gpt2_cases``, :func:`ep_idle_rank`, :func:`~.routing_log.log_routing`, :func:`ep_traffic_counted`
-    balanced and with drops, and :func:`ep_refusals` last (its timed-out exchange leaves the group unusable)."""
+    balanced and with drops, :func:`ep_census`, with ``balance`` :func:`ep_balance`, and :func:`ep_refusals`
+    last (its timed-out exchange leaves the group unusable)."""
     return dict(cases=ep_matches_one_process(rank, world_size, cases, steps),
+                census=ep_census(rank, world_size, dict(n_experts=2 * world_size, top_k=2, shared_expert=True)),
+                balance=ep_balance(rank, world_size) if balance else None,
                 gpt2=[gpt2_ep_check(rank, world_size, fields) for fields in gpt2_cases],
                 idle=ep_idle_rank(rank, world_size),
                 log=log_routing(rank, world_size, dict(n_experts=2 * world_size, top_k=2, capacity_factor=1.0),

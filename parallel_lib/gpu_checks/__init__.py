@@ -31,6 +31,7 @@ from parallel_lib.gpu_checks.ch08_schedules import check_schedules
 from parallel_lib.gpu_checks.ch09_inference import check_inference
 from parallel_lib.gpu_checks.ch10_grid3d import check_grid3d
 from parallel_lib.gpu_checks.ch11_context_parallel import check_context_parallel
+from parallel_lib.gpu_checks.ch12_expert_parallel import check_expert_parallel
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "workload_for",
            "device_counts", "free_memory"]
@@ -107,3 +108,6 @@ register_check("context_parallel", Check("11_long_context", 2, "ring (both layou
                                          "ranks vs full attention, GPT-2 with ring attention, PyTorch's "
                                          "context_parallel beside them, memory per rank by length",
                                          check_context_parallel))
+register_check("expert_parallel", Check("12_mixture_of_experts", 2, "mixture of experts over NCCL ranks (ep): "
+                                        "equivalence with one process, all-to-all bytes vs the formula, load with "
+                                        "and without the balancing loss", check_expert_parallel))

@@ -1,7 +1,8 @@
 """Choosing a strategy (chapter 05): the planner behind the decision widget, and the measured
 comparison behind the article's table 3; and (chapter 10) the calibrated planner: every
 dp × tp × pp layout priced from this machine's measurements (``layout``, ``search``, ``calibrate``),
-with published GPU figures and published training runs beside it (``hardware``, ``published``).
+with published GPU figures and published training runs beside it (``hardware``, ``published``); and
+(chapter 12) a mixture-of-experts model on those layouts with an ``ep`` axis (``experts``).
 """
 
 from parallel_lib.planner.calibrate import Calibration
@@ -18,6 +19,7 @@ from parallel_lib.planner.strategy import (
     plan,
     ring_bytes,
 )
+from parallel_lib.planner.experts import EPPlan, EPPriced, Experts, plan_ep, price_ep
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.planner.search import LayoutPlan, plan_layouts
 
@@ -44,4 +46,9 @@ __all__ = [
     "price",
     "LayoutPlan",
     "plan_layouts",
+    "Experts",
+    "EPPriced",
+    "EPPlan",
+    "price_ep",
+    "plan_ep",
 ]
