@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from parallel_lib.expert_parallel.expert_parallel_moe import ExpertParallelMoE, expert_parameters
-from parallel_lib.expert_parallel.moe import MoE, MoEConfig
+from parallel_lib.expert_parallel.moe import MoEConfig
 from parallel_lib.expert_parallel.parallelize import moe_gpt2
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import from_hf
@@ -41,7 +41,7 @@ from parallel_lib.runtime.mesh import RankMesh
 from parallel_lib.sharding.memory import optimizer_tensors, storage_census
 from parallel_lib.sharding.zero import ZeroEngine
 
-__all__ = ["moe_config", "mixture_of_experts", "swap_mixtures", "dense_mlps", "mixture_state", "is_mixture",
+__all__ = ["moe_config", "mixture_of_experts", "swap_mixtures", "dense_mlps", "mixture_state", "holds_mixtures",
            "ExpertAxis"]
 
 
@@ -76,11 +76,10 @@ def swap_mixtures(shard: GPT2, mixtures: GPT2) -> None:
 @contextmanager
 def dense_mlps(shard: GPT2) -> Iterator[None]:
     """Inside the block, ``shard``'s blocks hold their split dense MLPs again (``gather_dense`` reads them)."""
-    kept = getattr(shard, "_dense_mlps", None)
-    if kept is None:
+    if not holds_mixtures(shard):
         yield
         return
-    mixtures = [block.mlp for block in shard.transformer.h]
+    kept, mixtures = shard._dense_mlps, [block.mlp for block in shard.transformer.h]
     try:
         for block, mlp in zip(shard.transformer.h, kept):
             block.mlp = mlp
@@ -103,9 +102,9 @@ def mixture_state(shard: GPT2) -> dict[str, torch.Tensor]:
     return state
 
 
-def is_mixture(model: nn.Module) -> bool:
-    """Whether ``model`` holds a one-process mixture-of-experts layer."""
-    return any(isinstance(m, MoE) for m in model.modules())
+def holds_mixtures(shard: GPT2) -> bool:
+    """Whether :func:`swap_mixtures` put mixtures into ``shard``."""
+    return getattr(shard, "_dense_mlps", None) is not None
 
 
 class ExpertAxis:

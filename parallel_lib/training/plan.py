@@ -101,7 +101,9 @@ class Plan:
             ValueError: a size below 1, an unknown schedule or ZeRO stage, axes that do not
                 multiply to ``world_size``, a tp that does not divide the heads or vocabulary,
                 more stages than blocks, a batch that does not split into dp × ep × micro_batches,
-                or a combination not supported yet (named, with what to use instead).
+                an unknown cp_layout, or a combination not supported yet (named, with what to use
+                instead): cp or ep with pp > 1 or a sync other than "zero", cp with ep or with
+                sequence_parallel, ep with tp > 1 or zero=3.
         """
         for axis in ("dp", "tp", "pp", "cp", "ep", "micro_batches"):
             positive_int(axis, getattr(self, axis))
@@ -111,8 +113,9 @@ class Plan:
         check_choice("sync", self.sync, sorted(SYNCS))
         mesh = self.mesh
         if world_size is not None and world_size != mesh.world_size:
-            raise ValueError(f"dp * tp * pp * cp * ep must equal world_size={world_size}, got {self.dp} x {self.tp} "
-                             f"x {self.pp} x {self.cp} x {self.ep} = {mesh.world_size}")
+            axes = ["dp", "tp", "pp"] + [a for a in ("cp", "ep") if getattr(self, a) > 1]
+            raise ValueError(f"{' * '.join(axes)} must equal world_size={world_size}, got "
+                             f"{' x '.join(str(getattr(self, a)) for a in axes)} = {mesh.world_size}")
         if self.sync != "zero" and self.zero:
             raise ValueError(f"zero={self.zero} is the stage of ZeroEngine (sync='zero'); sync={self.sync!r} shards as "
                              "PyTorch does: leave zero=0")
@@ -130,10 +133,11 @@ class Plan:
             if value is not None and value % self.tp:
                 raise ValueError(f"tp={self.tp} must divide {name}={value}")
         if batch_size is not None and batch_size % (self.row_replicas * self.micro_batches):
-            raise ValueError(f"batch_size must split into dp={self.dp} x ep={self.ep} replicas of micro_batches="
+            replicas = f"dp={self.dp}" + (f" x ep={self.ep}" if self.ep > 1 else "")
+            raise ValueError(f"batch_size must split into {replicas} replicas of micro_batches="
                              f"{self.micro_batches} equal micro-batches, got batch_size={batch_size}")
         self._check_cp_ep()
-        check_averager(self)
+        check_averager(self)  # chapter 01's averagers: what they cannot run
 
     def _check_cp_ep(self) -> None:
         """The combinations of cp and ep that the one training entry does not run yet."""
@@ -157,4 +161,4 @@ class Plan:
                              "tensor parallelism; use tp=1")
         if self.ep > 1 and self.zero == 3:
             raise ValueError(f"ep={self.ep} with zero=3 is not supported yet: ZeRO-3 gathers parameters per block and "
-                             "an expert runs only when tokens reach it; use zero <= 2")  # chapter 01's averagers: what they cannot run
+                             "an expert runs only when tokens reach it; use zero <= 2")

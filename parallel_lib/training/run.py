@@ -65,7 +65,7 @@ from parallel_lib.training.batches import DATA_SOURCES, global_batches, replica_
 from parallel_lib.training.averagers import OPTIMIZERS, check_optimizer
 from parallel_lib.training.checkpoints import Checkpoint, load_checkpoint
 from parallel_lib.training.data_axis import data_parallel_axis, mesh_flatten
-from parallel_lib.training.experts import dense_mlps, mixture_of_experts, mixture_state, swap_mixtures
+from parallel_lib.training.experts import dense_mlps, holds_mixtures, mixture_of_experts, mixture_state, swap_mixtures
 from parallel_lib.training.phases import StepPhases
 from parallel_lib.training.plan import Plan
 from parallel_lib.training.stage_gradients import reduce_stage_gradients
@@ -275,6 +275,8 @@ def train(rank: int, world_size: int, plan: Plan, run: RunConfig = RunConfig(),
     """
     require_process_group("train")
     check_layout(plan, run, world_size)
+    if resume is not None and (plan.cp > 1 or plan.ep > 1):
+        raise ValueError(f"resume with cp={plan.cp} or ep={plan.ep} is not supported yet; train without resume")
     with plan.mesh.build(run.timeout, flatten=mesh_flatten(plan)) as pm:  # every group, made once, destroyed at the end
         try:
             return _train(pm, plan, run, builder, resume)
@@ -294,8 +296,6 @@ def _train(pm: RankMesh, plan: Plan, run: RunConfig, builder: ModelBuilder,
     r = d * plan.ep + e  # which rows of every global batch this rank trains on
     who = f"rank {pm.rank} (replica {d}, stage {j}, slice {t}" + (f", cp {c}" if plan.cp > 1 else "") + \
         (f", ep {e}" if plan.ep > 1 else "") + ")"
-    if resume is not None and (plan.cp > 1 or plan.ep > 1):
-        raise ValueError(f"resume with cp={plan.cp} or ep={plan.ep} is not supported yet; train without resume")
     device = rank_device()
     sharded = tensor_parallelize(builder(run), pm.group("tp"), plan.sequence_parallel, dropout_seed=run.seed,  # [1]
                                  dropout_replica=r)  # each replica its own dropout masks
@@ -373,7 +373,7 @@ def _dense_state(stage: Any, pp: int) -> dict[str, torch.Tensor]:
     """The stage's trained parameters by the dense (or one-process mixture) model's names."""
     with dense_mlps(stage.model):  # gather_dense reads the dense MLPs' layout; a mixture's state is its own
         state = dense_state(stage, pp, gather_dense(stage.model))
-    if not hasattr(stage.model, "_dense_mlps"):
+    if not holds_mixtures(stage.model):
         return state
     return {**{k: v for k, v in state.items() if ".mlp." not in k}, **mixture_state(stage.model)}
 
