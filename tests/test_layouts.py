@@ -119,6 +119,14 @@ def test_ring_attention_and_the_experts_run_on_their_axes(launched):
             held.setdefault(r.coords["dp"], []).append({n for n in r.state if ".experts." in n})
         for ranks in held.values():  # within a replica: the ep ranks' experts are disjoint and cover all 4
             assert not set.intersection(*ranks) and len(set.union(*ranks)) == 4 * 4 * 4, [len(e) for e in ranks]
+    from parallel_lib.training import build_model
+    from parallel_lib.training.experts import mixture_of_experts
+
+    counts = {True: 0, False: 0}  # the one-process mixture's elements: in experts, elsewhere
+    for name, p in mixture_of_experts(build_model(MOE), MOE).named_parameters():
+        counts[".experts." in name] += p.numel()
+    for r in job(2, Plan(ep=2)):  # ZeRO-0: the optimizer steps everything but the other rank's experts
+        assert r.num_parameters == counts[False] + counts[True] // 2, (r.num_parameters, counts)
 
 
 def test_the_dropping_mixture_drops_choices():
