@@ -204,8 +204,8 @@ class TrainResult:
     """What one rank measured and trained.
 
     ``traffic`` is the measured step's (``run.measure_step``, by default the last) collectives by
-    mesh axis ("dp", "tp", "pp", "tied", "cp", "ep"; "local": calls on a group of one rank; "dp" holds
-    the flattened group of a cp or ep plan's gradient average):
+    mesh axis ("dp", "tp", "pp", "tied", and "cp", "ep" where used; "local": calls on a group of one
+    rank; "dp" holds the flattened group of a cp or ep plan's gradient average):
     ``{collective: (calls, message bytes)}``; ``wire`` the bytes this rank sent per axis.
     ``state`` holds the parameters this rank's stage trained, by the dense model's names
     (tensor slice 0 of each stage only; empty unless ``run.return_state``).
@@ -391,7 +391,8 @@ def _by_axis(counter: CollectiveCounter, pm: RankMesh, plan: Plan) -> tuple[dict
         axes[tuple(pm.peers(flat))] = "dp"
     if pm.size("pp") > 1 and pm.index("pp") in (0, pm.size("pp") - 1):  # inner stages hold no tied copy
         axes[tuple(pm.peers("tied"))] = "tied"
-    traffic: dict[str, dict[str, tuple[int, int]]] = {a: {} for a in ("dp", "tp", "pp", "tied", "cp", "ep")}
+    used = ("dp", "tp", "pp", "tied") + tuple(a for a in ("cp", "ep") if pm.size(a) > 1)  # as before without them
+    traffic: dict[str, dict[str, tuple[int, int]]] = {a: {} for a in used}
     wire = dict.fromkeys(traffic, 0.0)
     point_to_point = "cp" if pm.size("cp") > 1 else "pp"
     for call in counter.calls:
