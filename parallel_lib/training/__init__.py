@@ -1,6 +1,7 @@
 """The one training entry (chapters 05 and 10, and every equivalence proof): a plan of which
 parallelism goes on which mesh axis (:class:`Plan`), the run (:class:`RunConfig`), the worker
-:func:`train` that applies TP, then the pipeline split, then ZeRO over dp, and the one
+:func:`train` that applies TP (and the cp axis's ring attention, the ep axis's experts:
+:mod:`.experts`), then the pipeline split, then ZeRO over dp, and the one
 single-process :func:`reference` every layout must equal; :func:`train_layout` / :func:`train_3d`
 launch a plan from a notebook, :func:`measure_layout` measures one for the planner, and
 :func:`tp_layout` says chapter 07's runs as plans, :mod:`.zero_measure` holds chapter 06's

@@ -23,6 +23,12 @@ PyTorch's own, for chapter 06's comparisons (:mod:`.torch_sharding`).
 
 ``"naive"``, ``"bucketed"``, ``"ring"``, ``"none"`` (and ``"ddp"`` above): chapter 01's gradient
 averagers, each replica stepping its own optimizer (:mod:`.averagers`).
+
+With context or expert parallelism (``sync="zero"`` only) the replicas are more than the dp
+axis: the ``cp`` ranks of a sequence and the ``ep`` ranks (each with rows of its own) average
+their gradients too, so ZeRO runs over the flattened group :func:`replica_axes` names (the
+mesh builds it, :func:`mesh_flatten`); under ``ep`` the experts get an engine of their own over
+``dp`` (:class:`~parallel_lib.training.experts.ExpertAxis`).
 """
 
 from __future__ import annotations
@@ -31,19 +37,33 @@ from typing import Any, Callable
 
 from torch import nn
 
-from parallel_lib.runtime.mesh import RankMesh
+from parallel_lib.runtime.mesh import AxisSpec, RankMesh
 from parallel_lib.sharding.zero import ZeroEngine
 from parallel_lib.training.averagers import AVERAGERS, averager_axis
+from parallel_lib.training.experts import ExpertAxis
 from parallel_lib.training.torch_sharding import WHOLE_MODEL, ddp_axis, fsdp2_axis, zero_redundancy_axis
 
-__all__ = ["SYNCS", "WHOLE_MODEL", "data_parallel_axis"]
+__all__ = ["SYNCS", "WHOLE_MODEL", "data_parallel_axis", "replica_axes", "mesh_flatten"]
 
 
-def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, ZeroEngine]:
+def replica_axes(plan: Any) -> AxisSpec:
+    """The mesh axes whose ranks average their gradients: ``"dp"``, or ``("dp", "cp")`` / ``("dp", "ep")``."""
+    return ("dp", "cp") if plan.cp > 1 else ("dp", "ep") if plan.ep > 1 else "dp"
+
+
+def mesh_flatten(plan: Any) -> list[tuple[str, ...]]:
+    """The flattened groups ``Mesh.build`` must make for ``plan`` (``flatten=``): the replicas' group, if flattened."""
+    axes = replica_axes(plan)
+    return [axes] if isinstance(axes, tuple) else []
+
+
+def _zero(plan: Any, run: Any, stage: nn.Module, pm: RankMesh) -> tuple[nn.Module, Any]:
+    if plan.ep > 1:
+        return stage, ExpertAxis(plan, run, stage, pm)
     return stage, ZeroEngine(stage, plan.zero, lr=run.lr, eps=run.eps, weight_decay=run.weight_decay,
                              precision=run.precision, collectives=run.collectives, bucket_cap_mb=run.bucket_cap_mb,
-                             prefetch=run.prefetch, layer_groups=list(stage.h) or None, group=pm.group("dp"),
-                             separate=stage.tied)
+                             prefetch=run.prefetch, layer_groups=list(stage.h) or None,
+                             group=pm.group(replica_axes(plan)), separate=stage.tied)
 
 
 # Plan.sync -> how the dp axis is built: (plan, run, stage, rank mesh) -> (module to run, the axis above)

@@ -87,16 +87,17 @@ def job_record(results: Sequence[TrainResult]) -> TrainRecord:
     """The job's record, as one process would have kept it: per step the global token-mean loss, the
     global batch's target tokens and the slowest rank's seconds (``.throughput(skip)``: tokens/s).
 
-    The loss is the sum of the last stage's shares (tensor slice 0) over the replicas.
+    The loss is the sum of the last stage's shares (tensor slice 0) over the replicas (and their
+    cp and ep ranks: ``Plan.replicas``).
 
     Raises:
         ValueError: ``results`` hold no last-stage rank of tensor slice 0 (not every rank's result).
     """
     plan = results[0].plan
     last = [r for r in results if r.coords["pp"] == plan.pp - 1 and r.coords["tp"] == 0]
-    if len(last) != plan.dp:
-        raise ValueError(f"job_record needs every rank's result: got {len(last)} of the {plan.dp} last-stage ranks "
-                         "of tensor slice 0")
+    if len(last) != plan.replicas:
+        raise ValueError(f"job_record needs every rank's result: got {len(last)} of the {plan.replicas} last-stage "
+                         "ranks of tensor slice 0")
     return TrainRecord.from_steps(losses=[sum(step) for step in zip(*(r.record.losses for r in last))],
                                   tokens=results[0].record.tokens, step_times=job_step_times(results))
 

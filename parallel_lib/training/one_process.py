@@ -16,6 +16,12 @@ as :func:`~parallel_lib.training.step.pipeline_step` numbers it), and the step's
 forwards' in row order (:class:`_ReplicaForwards`). With one replica and one micro-batch that is
 one forward of the whole batch per step.
 
+With ``run.experts`` the model is chapter 12's mixture of experts (:mod:`.experts`), its tokens
+routed in one group per replica and micro-batch (``dp · micro_batches`` groups of rows, each
+what one rank routes in one forward; pass ``dp`` = the layout's ``Plan.row_replicas``, dp · ep),
+and an expert that no token reached in a step steps on a zero gradient (AdamW's weight decay and
+moments move it), as it does in every layout: ZeRO's flat buffers hold a gradient for every parameter.
+
 Chapter 06's options hold here too: ``run.freeze`` leaves those parameters out of AdamW,
 ``run.max_grad_norm`` clips with torch's ``clip_grad_norm_`` (between backward and step, where Part I's
 loop calls its ``average_gradients_fn``), and a plain checkpoint
@@ -38,6 +44,7 @@ from parallel_lib.sharding.checkpoint import consolidate
 from parallel_lib.training.averagers import make_optimizer
 from parallel_lib.training.batches import global_batches
 from parallel_lib.training.checkpoints import Checkpoint, to_dense
+from parallel_lib.training.experts import mixture_of_experts
 from parallel_lib.training.run import ModelBuilder, RunConfig, build_model
 from parallel_lib.training.zero_options import freeze_parameters
 
@@ -52,11 +59,12 @@ def reference(run: RunConfig = RunConfig(), builder: ModelBuilder = build_model,
     Args:
         run: the run (model, batches, optimizer) every layout trains.
         builder: builds the dense model from ``run``.
-        dp: the replicas of the layout it stands for (the corpus source orders each global
-            batch's rows by replica, :func:`~parallel_lib.training.batches.global_batches`; with
-            dropout each replica draws its own masks).
+        dp: the replicas of the layout it stands for, each with rows of its own (``Plan.row_replicas``:
+            the corpus source orders each global batch's rows by replica,
+            :func:`~parallel_lib.training.batches.global_batches`; with dropout each replica draws
+            its own masks; with experts each replica's micro-batch is routed as one group).
         micro_batches: the micro-batches each replica's rows are cut into (only dropout's masks,
-            numbered by forward, depend on it).
+            numbered by forward, and the experts' routing groups depend on it).
         resume: a plain checkpoint to continue from (the losses are those of the steps run).
 
     Raises:
@@ -120,7 +128,9 @@ def _one_process(run: RunConfig, builder: ModelBuilder, dp: int, micro_batches: 
     positive_int("dp", dp)
     positive_int("micro_batches", micro_batches)
     model = builder(run)
-    if run.dropout:  # the one GPT-2's seeded masks, each replica's and micro-batch's own (see the module docstring)
+    if run.experts:  # every MLP the run's mixture; each rank routes one micro-batch of its rows per forward
+        model = mixture_of_experts(model, run, token_groups=dp * micro_batches)
+    elif run.dropout:  # the one GPT-2's seeded masks, each replica's and micro-batch's own (see the module docstring)
         model = from_hf(model, run.seed)
     freeze_parameters(model, run.freeze)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -131,7 +141,15 @@ def _one_process(run: RunConfig, builder: ModelBuilder, dp: int, micro_batches: 
         optimizer.load_state_dict(resume[1])
         first = resume[2]
     stepped = _ReplicaForwards(model, dp, micro_batches, first) if run.dropout else model
-    clip = (lambda _: torch.nn.utils.clip_grad_norm_(trainable, run.max_grad_norm)) if run.max_grad_norm else None
+
+    def before_step(_: nn.Module) -> None:  # between backward and step
+        if run.experts:  # an expert no token reached steps on zeros, as ZeRO's flat buffers make every layout do
+            for p in trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        if run.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(trainable, run.max_grad_norm)
+
     record = train(stepped, optimizer, global_batches(run, dp)[first:stop], desc="one process",
-                   average_gradients_fn=clip, progress=False)
+                   average_gradients_fn=before_step if run.experts or run.max_grad_norm else None, progress=False)
     return record.losses, model, optimizer

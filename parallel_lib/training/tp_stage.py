@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from parallel_lib.context_parallel.layout import shard_positions
 from parallel_lib.models.attention import allowed_keys
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.pipeline_parallel.microbatch import split_layers
@@ -100,8 +101,8 @@ class TensorParallelStage(nn.Module):
         # the whole sequence's length: under sequence parallelism the hidden states between blocks,
         # and so between stages, hold this rank's 1/tp of it (the embedding reduce-scatters into it)
         s = x.shape[1] if self.first or not info.sequence_parallel else x.shape[1] * info.tp
-        if self.first:
-            x = self.model.transformer.embed(x)  # the model's own embedding (this stage's wte, wpe, drop)
+        if self.first:  # the model's own embedding (this stage's wte, wpe, drop); under cp, my tokens' positions
+            x = self.model.transformer.embed(x, self._positions(x))
         # causal only: the batches are right-padded, so a real token never sees padding, and
         # padded positions carry zero loss weight
         allowed = allowed_keys(s, None, x.device)
@@ -110,6 +111,14 @@ class TensorParallelStage(nn.Module):
         if self.last:  # f, or the all-gather of the sequence, then my vocabulary slice's logits (b, s, V/t)
             x = self.head(self.ln_f(x))
         return x
+
+
+    def _positions(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """The positions of the tokens ``ids`` holds: None (0..s-1), or this cp rank's shard's (``parallelize_cp``)."""
+        info = getattr(self.model, "cp_info", None)
+        if info is None:
+            return None
+        return shard_positions(ids.shape[1] * info.cp, info.cp, info.index, info.layout, ids.device)
 
 
 def stage_loss(stage: TensorParallelStage, labels: torch.Tensor, weights: torch.Tensor,

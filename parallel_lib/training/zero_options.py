@@ -52,6 +52,12 @@ def check_zero_options(run: Any, plan: Any = None) -> None:
     if run.max_grad_norm and (plan.tp > 1 or plan.pp > 1):
         raise ValueError(f"max_grad_norm clips by the norm over the dp axis only: it needs tp=1 and pp=1, got "
                          f"tp={plan.tp}, pp={plan.pp}; set max_grad_norm=0.0")
+    if run.max_grad_norm and plan.ep > 1:
+        raise ValueError(f"max_grad_norm with ep={plan.ep} is not supported yet (the experts' gradients and the "
+                         "rest are reduced over different groups); set max_grad_norm=0.0")
+    if run.return_shards and (plan.cp > 1 or plan.ep > 1):
+        raise ValueError(f"return_shards with cp={plan.cp} or ep={plan.ep} is not supported yet; set "
+                         "return_shards=False")
     if run.return_shards and (plan.sync != "zero" or plan.tp > 1 or plan.pp > 1):
         raise ValueError(f"return_shards saves ZeroEngine's shards of the whole model: it needs sync='zero', tp=1 "
                          f"and pp=1, got sync={plan.sync!r}, tp={plan.tp}, pp={plan.pp}")
@@ -91,7 +97,7 @@ def trace_collectives(axis: Any, recorder: Optional[TimelineRecorder], plan: Any
     """Let ZeRO's engine record its collectives (and ZeRO-3's per-group compute) on ``recorder``; None: stop.
 
     Only for a plan over dp alone: the engine names its lanes "rank R comm" and "rank R compute"
-    by its rank in the dp group, which is the global rank only when dp spans the mesh.
+    by its rank in its group, which is the global rank only when dp spans the mesh.
     """
     if isinstance(axis, ZeroEngine):
-        axis.recorder = recorder if plan.tp == 1 and plan.pp == 1 else None
+        axis.recorder = recorder if plan.mesh.world_size == plan.dp else None
