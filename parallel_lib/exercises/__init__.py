@@ -88,3 +88,8 @@ __all__ += ["check_largest_batch", "check_gqa_decode_step", "check_cache_step", 
 _CHECKERS.update({"check_choose_layout": "ch10", "check_oom_term": "ch10"})
 CHAPTERS = CHAPTERS + ("10",)
 __all__ += ["check_choose_layout", "check_oom_term"]
+
+# chapter 11 (appended: the registries above stay as they were)
+_CHECKERS.update({"check_merge_attention": "ch11", "check_zigzag_positions": "ch11", "check_busiest_share": "ch11"})
+CHAPTERS = CHAPTERS + ("11",)
+__all__ += ["check_merge_attention", "check_zigzag_positions", "check_busiest_share"]
