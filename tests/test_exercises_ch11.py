@@ -28,7 +28,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return out, lse
 '''
 _MERGE_RIGHT = dict(weights="wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)",
-                    out="(out_a * wa[..., None] + out_b * wb[..., None]) / torch.where(total > 0, total, 1.0)[..., None]",
+                    out="(out_a * wa[..., None] + out_b * wb[..., None])"
+                        " / torch.where(total > 0, total, 1.0)[..., None]",
                     lse="top + torch.log(total)")
 
 

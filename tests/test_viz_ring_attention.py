@@ -1,16 +1,17 @@
-"""Chapter 11's pictures: the ring-attention replay draws what the record says, and the measured plots check their input.
+"""Chapter 11's pictures: the ring-attention replay draws what the record says; the measured plots check their input.
 
 The record here is written by hand as ring attention writes it (block r − t at step t, a send on every
 step but the last, tiles 0 for a block wholly in the future of a causal contiguous split); the
 notebook and ``figures/ring_attention.png`` replay records of real runs on gloo ranks.
 """
 
+from dataclasses import asdict
+
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
-from dataclasses import asdict  # noqa: E402
 
 from parallel_lib.context_parallel import RingEvent  # noqa: E402
 from parallel_lib.viz.long_context import plot_attention_memory, plot_rank_work  # noqa: E402
@@ -40,7 +41,8 @@ def _texts(fig):
 def test_a_frame_shows_each_ranks_block_its_skipped_work_and_what_it_sent():
     fig = render_ring_attention(_record(4), "forward", 1)
     texts = _texts(fig)
-    assert [t for t in texts if t.startswith("KV")] == ["KV3", "KV3", "KV0", "KV0", "KV1", "KV1", "KV2", "KV2"]  # held, sent
+    held_then_sent = ["KV3", "KV3", "KV0", "KV0", "KV1", "KV1", "KV2", "KV2"]
+    assert [t for t in texts if t.startswith("KV")] == held_then_sent
     assert sum(t.startswith("skipped") for t in texts) == 1          # rank 0's KV3 is all in the future
     assert "4 tiles\n8 so far" in texts and "skipped: all future\n4 so far" in texts
     plt.close(fig)
@@ -72,7 +74,8 @@ def test_the_caption_counts_the_tiles_and_names_what_travels():
     caption = ring_attention_caption(_record(2), "forward", 0)
     assert caption == ("forward step 0: every rank attends on the block in hand (8 tiles over all ranks) while "
                        "sending its key/value block to rank r+1")
-    assert "the dK/dV accumulator of the block it held a step before" in ring_attention_caption(_record(2), "backward", 1)
+    backward = ring_attention_caption(_record(2), "backward", 1)
+    assert "the dK/dV accumulator of the block it held a step before" in backward
 
 
 def test_the_strip_draws_every_forward_step_of_every_run():
@@ -99,7 +102,8 @@ def test_the_widget_follows_the_run_and_the_direction():
 
 def test_the_measured_plots_check_their_input():
     fig = plot_attention_memory([64, 128], {"full": [1, 4]}, {"full": [1, 4], "tiled": [1, 2]})
-    assert [line.get_label() for line in fig.axes[0].lines] == ["full: formula", "full: tensor census", "tiled: formula"]
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert labels == ["full: formula", "full: tensor census", "tiled: formula"]
     with pytest.raises(ValueError, match="one value per length \\(2\\), got 3 for 'tiled'"):
         plot_attention_memory([64, 128], {}, {"tiled": [1, 2, 3]})
     fig = plot_rank_work({"cp 2": [1, 3], "cp 4": [1, 3, 5, 7]})

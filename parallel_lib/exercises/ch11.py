@@ -72,7 +72,8 @@ def _zigzag_hint(args: tuple, got: Any) -> str:
         return "the right positions, but not in increasing order: the chunk from the end comes last"
     if len(got) == 2 * c and got[:c] == list(range(rank * c, (rank + 1) * c)):
         if got[c:] == list(range((2 * cp - rank) * c, (2 * cp - rank + 1) * c)):
-            return "the second chunk is one too far: counted from the end, the i-th of 2·cp chunks is chunk 2·cp − 1 − i"
+            return ("the second chunk is one too far: counted from the end, the i-th of 2·cp chunks is "
+                    "chunk 2·cp − 1 − i")
         return "the first chunk is right; the second is chunk i counted from the END of the 2·cp chunks"
     if len(got) == 2 * (seq_len // cp) or len(got) == seq_len // cp // 2:
         return (f"a rank holds seq_len / cp = {seq_len // cp} positions: two chunks of seq_len / (2·cp) = {c} each")
@@ -144,7 +145,8 @@ def check_busiest_share(answer: Any) -> CheckResult:
             return ("that is the busiest rank's work over the idlest's (about 2·cp − 1); the question asks for its "
                     "share of ALL the entries")
         if abs(got - 1 / cp) < 1e-3:
-            return "1/cp is every rank's share under the zig-zag split; with the contiguous split the last rank's queries see the most keys"
+            return ("1/cp is every rank's share under the zig-zag split; with the contiguous split the last rank's "
+                    "queries see the most keys")
         if got < expected:
             return "the last rank's queries are the latest positions: each sees almost the whole sequence"
         return ("rank i's queries are positions i·s/cp .. (i+1)·s/cp − 1; add p + 1 over the last rank's and divide "

@@ -1,6 +1,7 @@
 """Chapter 11's two measured pictures: attention's memory against sequence length, and each rank's causal work.
 
-Both draw numbers measured elsewhere (the tensor census of :func:`~parallel_lib.context_parallel.tiled.saved_attention_bytes`,
+Both draw numbers measured elsewhere (the tensor census of
+:func:`~parallel_lib.context_parallel.tiled.saved_attention_bytes`,
 the tiles ring attention counted on each rank) beside the formula that predicts them; nothing here measures.
 """
 
@@ -25,7 +26,8 @@ def plot_attention_memory(seq_lens: Sequence[int], measured: Mapping[str, Sequen
     Args:
         seq_lens: the lengths measured.
         measured: ``{method: bytes at each length}`` from the census.
-        formula: ``{method: bytes at each length}`` from :func:`~parallel_lib.context_parallel.cost.attention_saved_bytes`.
+        formula: ``{method: bytes at each length}`` from
+            :func:`~parallel_lib.context_parallel.cost.attention_saved_bytes`.
         title: the axes' title.
         ax: axes to draw into; a new figure when None.
 

@@ -27,7 +27,8 @@ from parallel_lib.common.checks import check_choice
 from parallel_lib.context_parallel.ring import RingEvent
 from parallel_lib.viz.ring import rank_color
 
-__all__ = ["as_events", "gathered_record", "ring_attention_caption", "render_ring_attention", "render_ring_attention_strip",
+__all__ = ["as_events", "gathered_record", "ring_attention_caption", "render_ring_attention",
+           "render_ring_attention_strip",
            "ring_attention_widget"]
 
 DIRECTIONS = ("forward", "backward")
