@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BENCH) schedules $(BENCH_FLAGS)
 	$(BENCH) inference $(BENCH_FLAGS)
 	$(BENCH) planner $(BENCH_FLAGS)
+	$(BENCH) context $(BENCH_FLAGS)
 
 # The torch step first tries a torch wheel that pip can find locally (a classroom's
 # wheel folder set as pip's find-links) so no multi-GB CUDA build is downloaded on a

@@ -41,18 +41,19 @@ def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, ex
          ("sharding", 0, "needs >= 2 GPUs, found 0"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 0"), ("schedules", 0, "needs >= 2 GPUs, found 0"),
          ("inference", 0, "needs >= 1 GPU, found 0"),
-         ("grid3d", 0, "needs >= 2 GPUs, found 0")]),
+         ("grid3d", 0, "needs >= 2 GPUs, found 0"), ("context_parallel", 0, "needs >= 2 GPUs, found 0")]),
     (1, [("setup", 1, ""), ("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
          ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1"),
          ("hybrid", 0, "needs >= 2 GPUs, found 1"), ("sharding", 0, "needs >= 2 GPUs, found 1"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 1"), ("schedules", 0, "needs >= 2 GPUs, found 1"),
-         ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1")]),
+         ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1"),
+         ("context_parallel", 0, "needs >= 2 GPUs, found 1")]),
     (2, [("setup", 2, ""), ("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""),
          ("hybrid", 2, ""), ("sharding", 2, ""), ("tensor_parallel", 2, ""), ("schedules", 2, ""),
-         ("inference", 2, ""), ("grid3d", 2, "")]),
+         ("inference", 2, ""), ("grid3d", 2, ""), ("context_parallel", 2, "")]),
     (4, [("setup", 4, ""), ("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""),
          ("hybrid", 4, ""), ("sharding", 4, ""), ("tensor_parallel", 4, ""), ("schedules", 4, ""),
-         ("inference", 4, ""), ("grid3d", 4, "")]),
+         ("inference", 4, ""), ("grid3d", 4, ""), ("context_parallel", 4, "")]),
 ])
 def test_plan_by_gpu_count(n_gpus, expected):
     assert plan(n_gpus) == [Planned(*row) for row in expected]
@@ -64,10 +65,10 @@ def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
 
     assert quick == {"setup": 8, "hybrid": 8, "dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
                      "tensor_parallel": 8, "schedules": 4, "inference": 8,
-                     "grid3d": 8}
+                     "grid3d": 8, "context_parallel": 8}
     assert full == {"setup": 16, "hybrid": 16, "dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
                     "tensor_parallel": 16, "schedules": 12, "inference": 16,
-                    "grid3d": 16}
+                    "grid3d": 16, "context_parallel": 16}
 
 
 def test_plan_only_and_its_table():
@@ -91,7 +92,7 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
         ("pipeline", "04_pipeline_parallel"), ("hybrid", "05_choosing_a_strategy"),
         ("sharding", "06_sharded_data_parallel"),
         ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08b_v_shapes_and_hangs"), ("inference", "09_inference"),
-        ("grid3d", "10_training_at_scale")]
+        ("grid3d", "10_training_at_scale"), ("context_parallel", "11_long_context")]
     monkeypatch.setattr(gpu_checks, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
@@ -163,7 +164,8 @@ def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(mon
     assert fake_checks == [("setup", 2, True), ("dp", 2, True), ("allreduce", 2, True),
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
-                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
+                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
+                           ("context_parallel", 2, True)]
     assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
     fake_checks.clear()
     assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
@@ -185,11 +187,12 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     assert fake_checks == [("setup", 2, True), ("dp", 2, True), ("allreduce", 2, True),
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
-                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True)]
+                           ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
+                           ("context_parallel", 2, True)]
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-15:-2]
+    summary = captured.out.splitlines()[-16:-2]
     assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
     total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
     seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
@@ -201,7 +204,7 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
         ["| sharding", "06_sharded_data_parallel", "passed"],
         ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08b_v_shapes_and_hangs", "passed"],
         ["| inference", "09_inference", "passed"],
-        ["| grid3d", "10_training_at_scale", "passed"]]
+        ["| grid3d", "10_training_at_scale", "passed"], ["| context_parallel", "11_long_context", "passed"]]
 
 
 def test_main_with_one_gpu_runs_the_checks_that_need_one(monkeypatch, fake_checks):
@@ -325,3 +328,25 @@ def test_part_one_checks_run_on_cpu_ranks():
             or line.startswith("| 2 x 1")]
     assert [(r[0], r[1]) for r in rows] == [("| 1 x 2", "1f1b"), ("| 1 x 2", "gpipe"), ("| 2 x 1", "1f1b")]
     assert all(float(r[2]) < 1e-5 for r in rows)  # parameters as one process's
+
+
+def test_context_parallel_check_on_cpu_ranks():
+    """Chapter 11's check on 2 gloo ranks, quick: exactness, bytes and census vs the formulas, GPT-2, PyTorch's CP."""
+    from parallel_lib.gpu_checks.ch11_context_parallel import check_context_parallel, cp_sizes
+
+    assert cp_sizes(2) == [2] and cp_sizes(8) == [2, 4, 8] and cp_sizes(8, quick=True) == [8]
+    table = check_context_parallel(2, quick=True)
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 2 | ring") or
+            line.startswith("| 2 | ulysses")]
+    assert [(r[1], r[2], r[3]) for r in rows] == [("ring", "contiguous", "no"), ("ring", "zigzag", "no"),
+                                                  ("ring", "contiguous", "yes"), ("ring", "zigzag", "yes"),
+                                                  ("ulysses", "contiguous", "yes"), ("ulysses", "zigzag", "yes")]
+    assert all(float(r[4]) < 1e-5 and r[5] == "equal" for r in rows)
+    assert rows[3][6] == "1.00 : 1 |" and rows[2][6] == "2.33 : 1 |"   # 448 : 192 entries
+    # (tiles of 8, chunks of 8: contiguous rank 0 computes 3 tiles of its own block, rank 1 3 + 4; zig-zag 5 and 5)
+    # on a CPU PyTorch's context parallelism refuses, and the check says why
+    assert "| refused: NotImplementedError: " in table and "_scaled_dot_product_flash_attention_for_cpu" in table
+    # the census: b·n·(s/cp)·(d + 1)·4 bytes for the ring, b·(n/cp)·s·(4d + 1)·4 + 8·s for Ulysses
+    for row in ("| ring | contiguous | 2 | 32 | 2.2 |", "| ring | zigzag | 2 | 32 | 2.2 |",
+                "| ulysses | contiguous | 2 | 32 | 8.5 |"):
+        assert row in table, row

@@ -21,7 +21,8 @@ from parallel_lib.context_parallel import (
 from parallel_lib.context_parallel import cp_shard, parallelize_cp
 from parallel_lib.context_parallel.verify import (Case, attention_check, cp_dp_training_check, gpt2_check, several,
                                                   stalled_peer_check, torch_context_parallel_check)
-from parallel_lib.context_parallel.measure import Shape, measure_context, measure_on_ranks, measure_one_process
+from parallel_lib.context_parallel.measure import (Shape, measure_context, measure_on_ranks, measure_one_process,
+                                                   rank_rows)
 from parallel_lib.models import build_model
 from parallel_lib.runtime import launch
 
@@ -204,7 +205,8 @@ def on_ranks():
     for cp in (2, 4):
         jobs = [(attention_check, (_cases(4),))] + ([(gpt2_check, ()), (torch_context_parallel_check, ()),
                                                     (measure_on_ranks, (MEASURED, MEASURE_SHAPE))] if cp == 2
-                                                   else [(cp_dp_training_check, ()), (cp_tp_training, ())])
+                                                   else [(cp_dp_training_check, ()), (cp_tp_training, ()),
+                                                         (measure_on_ranks, (MEASURED, MEASURE_SHAPE))])
         results = launch(several, cp, jobs, backend="gloo", timeout=180, startup_timeout=120)
         runs[cp] = ([r[0] for r in results], [r[1:] for r in results])
     return runs
@@ -343,7 +345,7 @@ def cp_tp_training(rank: int, world_size: int, steps: int = 3, seq_len: int = 32
 
 def test_cp_times_tp_trains_like_one_process(on_ranks):
     """Mesh(tp=2, cp=2): tensor-parallel GPT-2 (heads split) whose attention is then swapped for the ring."""
-    for rank, (_, worst) in enumerate(on_ranks[4][1]):
+    for rank, (_, worst, *_) in enumerate(on_ranks[4][1]):
         # measured 1.3e-4: AdamW turns ~1e-8 gradient differences into updates of up to lr (1e-2) where a
         # gradient is near zero; without the gradients' all-reduce over cp the difference is 6e-2
         assert worst < 5e-4, (rank, worst)
@@ -356,6 +358,8 @@ def test_pytorch_context_parallel_beside_ours(on_ranks):
             assert theirs["output"] < ATOL
         else:  # its dispatcher intercepts the CUDA kernels only; the CPU kernel has no sharding rule
             assert "_scaled_dot_product_flash_attention_for_cpu" in theirs["error"], theirs["error"]
+            assert theirs["error"] == ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu"
+                                       ".default does not have a sharding strategy registered."), theirs["error"]
 
 
 def test_measurements_report_the_census_the_work_and_the_bytes(on_ranks):
@@ -375,6 +379,31 @@ def test_measurements_report_the_census_the_work_and_the_bytes(on_ranks):
             assert len({r["tiles"] for r in ranks}) == 1
     with pytest.raises(ValueError, match="divisible by 2·cp = 8, got seq_len=36"):
         measure_context([32, 36], cps=(4,))
+
+
+def test_memory_per_rank_by_census_is_within_5_percent_of_the_formula_at_every_length(on_ranks):
+    """Item 1 of the chapter: what each rank keeps for backward (autograd's saved tensors, counted) against sequence
+    length, for full and tiled attention in one process and ring (both layouts) and Ulysses at cp 2 and 4."""
+    b, n, d = MEASURE_SHAPE.batch, MEASURE_SHAPE.heads, MEASURE_SHAPE.head_dim
+    lengths = MEASURED + [128]
+    rows = [vars(m) for m in measure_one_process(lengths, MEASURE_SHAPE)]
+    rows += rank_rows([found[2] for found in on_ranks[2][1]], 2) + rank_rows([found[2] for found in on_ranks[4][1]], 4)
+    census = {}
+    for row in rows:
+        formula = attention_saved_bytes(row["method"], b, n, row["seq_len"], d, causal=True, cp=row["cp"])
+        for rank, kept in enumerate(row["saved_bytes"]):
+            assert kept == pytest.approx(formula, rel=0.05), (row["method"], row["layout"], row["cp"], rank)
+        census[row["method"], row["layout"], row["cp"], row["seq_len"]] = max(row["saved_bytes"])
+    assert {(m, layout, cp) for m, layout, cp, _ in census} == {
+        ("full", "-", 1), ("tiled", "-", 1), ("ring", "contiguous", 2), ("ring", "zigzag", 2),
+        ("ulysses", "contiguous", 2),
+        ("ring", "contiguous", 4), ("ring", "zigzag", 4), ("ulysses", "contiguous", 4)}
+    # measured, not assumed: full attention's memory grows with s², the others' with s; cp ranks share it
+    assert census["full", "-", 1, 128] / census["full", "-", 1, 64] == pytest.approx(4, rel=0.01)
+    for key in (("tiled", "-", 1), ("ring", "zigzag", 2), ("ulysses", "contiguous", 4)):
+        assert census[(*key, 64)] / census[(*key, 32)] == pytest.approx(2, rel=0.05), key
+    assert census["ring", "zigzag", 2, 64] / census["ring", "zigzag", 4, 64] == pytest.approx(2, rel=0.01)
+    assert census["tiled", "-", 1, 64] / census["ring", "contiguous", 4, 64] == pytest.approx(4, rel=0.01)
 
 
 # --- one rank, and bad input ----------------------------------------------------------------------

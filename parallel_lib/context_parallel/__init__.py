@@ -6,7 +6,15 @@
 - :mod:`.ulysses`: DeepSpeed Ulysses, sequence shards swapped for head shards by all-to-all;
 - :mod:`.parallelize`: ``parallelize_cp``, the one GPT-2 with its attention swapped for ring attention;
 - :mod:`.cost`: bytes on the wire per rank, bytes attention keeps for backward, when a ring step hides its transfer;
-- :mod:`.verify`: exactness checks that run inside ranks (ring and Ulysses against full attention).
+- :mod:`.verify`: exactness checks that run inside ranks (ring and Ulysses against full attention);
+- :mod:`.measure`: memory per rank (census), time, work and bytes against sequence length; a ring step timed apart.
+
+Beside PyTorch: ``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13) does not run
+on a CPU. It shards the buffers, then reaches attention through SDPA's DTensor dispatch, which has
+sharding rules for the CUDA kernels (flash, memory-efficient, cuDNN) only; the CPU's
+``aten._scaled_dot_product_flash_attention_for_cpu`` has none, so it raises ``NotImplementedError``
+(pinned by a test). On GPUs ``python -m parallel_lib.check_gpu --only context_parallel`` runs it on
+the same inputs as ours and prints both (:func:`.verify.torch_context_parallel_check`).
 """
 
 from parallel_lib.context_parallel.cost import (METHODS, RingStepTime, WireBytes, attention_saved_bytes, cp_wire_bytes,

@@ -30,6 +30,7 @@ same in one GPU kernel, with the tiles in on-chip memory.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -49,10 +50,13 @@ class TileWork:
     tiles: int = 0    # (query tile, key tile) pairs computed; fully masked ones are skipped
     entries: int = 0  # score entries computed (the tiles' areas): the work a GPU kernel does
     allowed: int = 0  # of those, the entries the mask allows: the useful work
+    seconds: float = 0.0  # CPU time of this thread in the forward tile loops: a rank's compute on one thread, not
+    #                       the time others took the core (a GPU's kernels run elsewhere: there, the host's share)
 
     def add(self, other: "TileWork") -> None:
         self.tiles, self.entries, self.allowed = (self.tiles + other.tiles, self.entries + other.entries,
                                                   self.allowed + other.allowed)
+        self.seconds += other.seconds
 
 
 def check_qkv(q: Any, k: Any, v: Any) -> None:
@@ -151,6 +155,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """
     check_qkv(q, k, v)
     block = positive_int("block", block)
+    start = time.thread_time()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qp = _positions(q_pos, q.shape[2], q.device, "q_pos")
     kp = _positions(k_pos, k.shape[2], k.device, "k_pos")
@@ -180,6 +185,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         seen = l > 0
         out[:, :, qi] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)   # [3]
         lse[:, :, qi] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+    if work is not None:
+        work.seconds += time.thread_time() - start
     return out, lse
 
 

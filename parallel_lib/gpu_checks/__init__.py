@@ -30,6 +30,7 @@ from parallel_lib.gpu_checks.ch07_tensor_parallel import check_tensor_parallel
 from parallel_lib.gpu_checks.ch08_schedules import check_schedules
 from parallel_lib.gpu_checks.ch09_inference import check_inference
 from parallel_lib.gpu_checks.ch10_grid3d import check_grid3d
+from parallel_lib.gpu_checks.ch11_context_parallel import check_context_parallel
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "workload_for",
            "device_counts", "free_memory"]
@@ -102,3 +103,7 @@ register_check("inference", Check("09_inference", 1, "serving on cuda:0, cuda:0.
                                   "the CPU engine's tokens", check_inference))
 register_check("grid3d", Check("10_training_at_scale", 2, "DP x TP x PP on NCCL ranks: equivalence with one "
                                "process, every group's traffic vs the formula", check_grid3d))
+register_check("context_parallel", Check("11_long_context", 2, "ring (both layouts) and Ulysses attention on NCCL "
+                                         "ranks vs full attention, GPT-2 with ring attention, PyTorch's "
+                                         "context_parallel beside them, memory per rank by length",
+                                         check_context_parallel))

@@ -1,4 +1,4 @@
-"""One layout of a training job over a dp × tp × pp grid, priced: memory per device and time per step.
+"""One layout of a training job over a dp × tp × pp × cp grid, priced: memory per device and time per step.
 
 Every number comes from code a chapter verified, not from a new formula:
 
@@ -20,7 +20,18 @@ Every number comes from code a chapter verified, not from a new formula:
   every micro-batch's gradients, ZeRO-3 gathers the parameters twice per micro-batch) and the
   optimizer on the rank's share.
 
-Nothing overlaps: the course's engines run the gradient collectives after the backward pass
+- context parallelism (chapter 11, ``cp`` > 1): each of the cp ranks holds s/cp of every
+  sequence (zig-zag, so the causal work is even), so its activations, FLOPs, tensor-parallel
+  collectives and pipeline sends are those of s/cp tokens (attention's s² FLOPs too: a rank's
+  s/cp queries meet all s keys). Its traffic is ring attention's per block and micro-batch,
+  :func:`parallel_lib.context_parallel.cost.cp_wire_bytes` of the key/value heads a tp rank holds
+  (grouped-query attention sends fewer than the queries use); a ring step's exchange is posted
+  before its compute, so only what a step's transfer takes beyond the step's attention shows
+  (:func:`cp_seconds`; forward, backward at twice the work, and the last dK/dV step home, never
+  hidden). The cp ranks hold the same parameters: the gradients reduce, and ZeRO shards, over
+  dp · cp ranks.
+
+Nothing else overlaps: the course's engines run the gradient collectives after the backward pass
 (chapter 05's DP×PP, chapter 07's TP×DP) and the tensor-parallel all-reduces between the layers'
 matrix products, so the model adds their times.
 """
@@ -32,22 +43,24 @@ from functools import lru_cache
 from typing import Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
+from parallel_lib.context_parallel.cost import GRAD_ITEMSIZE, cp_wire_bytes, ring_step_flops
 from parallel_lib.cost.zero import zero3_working_set, zero_collectives, zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
-from parallel_lib.planner.calibrate import Calibration
+from parallel_lib.planner.calibrate import AlphaBeta, Calibration
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "price", "SCHEDULES"]
+__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "cp_seconds", "price",
+           "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How ``dp · tp · pp`` ranks train one model; ``micro_batches`` per replica and step.
+    """How ``dp · tp · pp · cp`` ranks train one model; ``micro_batches`` per replica and step.
 
     With ``pp == 1`` the micro-batches run one after another (gradient accumulation); with
     ``pp > 1`` they fill the pipeline in ``schedule`` order (``virtual`` model stages per rank
@@ -65,9 +78,10 @@ class Layout:
     recompute: bool = False
     dtype: str = "fp32"              # "fp32", or "bf16"/"fp16" for mixed precision
     grad_collectives: int = 1        # calls the gradient reduction takes: 1 flat bucket, or one per tensor
+    cp: int = 1                      # context parallelism: ranks sharing each sequence (ring attention, zig-zag)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual", "micro_batches", "grad_collectives"):
+        for name in ("dp", "tp", "pp", "virtual", "micro_batches", "grad_collectives", "cp"):
             positive_int(name, getattr(self, name))
         check_choice("zero", self.zero, (0, 1, 2, 3))
         check_choice("schedule", self.schedule, SCHEDULES)
@@ -78,12 +92,18 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, whose gradients are reduced together: dp · cp."""
+        return self.dp * self.cp
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("DP", self.dp), ("TP", self.tp), ("PP", self.pp)) if v > 1] or ["1 device"]
-        extra = [f"ZeRO-{self.zero}"] if self.zero and self.dp > 1 else []
+        parts = [f"{k}{v}" for k, v in (("DP", self.dp), ("TP", self.tp), ("PP", self.pp), ("CP", self.cp))
+                 if v > 1] or ["1 device"]
+        extra = [f"ZeRO-{self.zero}"] if self.zero and self.replicas > 1 else []
         extra += ["SP"] if self.sequence_parallel and self.tp > 1 else []
         if self.pp > 1:
             extra.append(f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''} m={self.micro_batches}")
@@ -147,7 +167,7 @@ def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
 
 
 def dp_collectives(layout: Layout, params: int, blocks: int) -> dict[str, tuple[int, float]]:
-    """One step's collectives of a rank over its dp group: ``{collective: (calls, message bytes)}``.
+    """One step's collectives of a rank over its dp (· cp) group: ``{collective: (calls, message bytes)}``.
 
     :func:`~parallel_lib.cost.zero.zero_collectives` of the rank's ``params`` in the layout's dtype,
     as flat groups: ``grad_collectives`` of them at ZeRO-0 (chapter 07's TP × DP all-reduces each
@@ -155,7 +175,7 @@ def dp_collectives(layout: Layout, params: int, blocks: int) -> dict[str, tuple[
     ZeRO-2 reduce-scatters once per micro-batch and ZeRO-3 gathers twice per micro-batch. Empty
     without data parallelism.
     """
-    if layout.dp == 1:
+    if layout.replicas == 1:
         return {}
     n = layout.grad_collectives if layout.zero == 0 else blocks + 1 if layout.zero == 3 else 1
     grad_bytes = params * DTYPE_BYTES[layout.dtype]
@@ -177,6 +197,7 @@ class Priced:
     optimizer: float
     bubble: float                # the simulator's (pipeline only)
     working_bytes: float = 0.0   # ZeRO-3: gathered parameters and their whole gradients while computing
+    cp_comm: float = 0.0         # inside compute: ring attention's transfers that its compute did not hide
 
     @property
     def memory_bytes(self) -> float:
@@ -213,6 +234,33 @@ def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, s
                for kind, (n, nbytes) in calls.items())
 
 
+def cp_seconds(shape: GPTShape, micro_batch: int, seq_len: int, tp: int, cp: int, flops_per_second: float,
+               link: AlphaBeta, itemsize: int) -> float:
+    """Seconds ring attention's transfers add to one block's forward and backward on one micro-batch.
+
+    Per ring step the exchange (one K and one V block of the tp rank's key/value heads) is posted
+    before the step's attention (:func:`~parallel_lib.context_parallel.cost.ring_step_flops` of its
+    query heads at ``flops_per_second``), so a step shows only ``max(0, transfer − compute)``:
+    cp − 1 forward steps, cp − 1 backward steps (the K/V block and the fp32 dK/dV accumulator,
+    behind twice the compute), then the last dK/dV step home with nothing to hide behind. The bytes
+    add up to :func:`~parallel_lib.context_parallel.cost.cp_wire_bytes`.
+
+    Raises:
+        ValueError: sizes that are not positive ints, ``seq_len`` not divisible by ``cp``.
+    """
+    if cp == 1:
+        return 0.0
+    heads, head_dim = shape.n_head // tp, shape.n_embd // shape.n_head
+    kv_heads = max(1, (shape.kv_heads or shape.n_head) // tp)        # fewer than tp key/value heads: copies
+    wire = cp_wire_bytes("ring", micro_batch, kv_heads, seq_len, head_dim, cp, itemsize)
+    kv = wire.forward / (cp - 1)                                      # one step's K and V block
+    dkv = kv / itemsize * GRAD_ITEMSIZE                              # one step's dK and dV accumulator
+    compute = ring_step_flops(micro_batch, heads, seq_len, head_dim, cp) / flops_per_second
+    forward = max(0.0, link.seconds("send", kv, 2) - compute)
+    backward = max(0.0, link.seconds("send", kv + dkv, 2) - 2 * compute)
+    return (cp - 1) * (forward + backward) + link.seconds("send", dkv, 2)
+
+
 def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, calibration: Calibration,
           step_cost: Union[StepCost, str], attention_scores: bool = False) -> Priced:
     """Memory per device and time per step of ``layout`` training ``shape`` on ``global_batch`` sequences.
@@ -224,6 +272,10 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     ``step_cost``: a :class:`StepCost` of one rank alone, or the key of one the calibration holds.
     """
     L, world, width = layout, layout.devices, DTYPE_BYTES[layout.dtype]
+    if seq_len % (2 * L.cp):
+        raise ValueError(f"seq_len={seq_len} must be divisible by 2·cp = {2 * L.cp} (two chunks per cp rank, "
+                         "zig-zag)")
+    full_seq, seq_len = seq_len, seq_len // L.cp     # from here on: the tokens of a sequence one rank holds
     rows = global_batch // L.dp
     if global_batch % L.dp or rows % L.micro_batches:
         raise ValueError(f"global_batch={global_batch} must split into dp={L.dp} replicas of "
@@ -232,9 +284,9 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     params = rank_parameters(shape, L.tp, L.pp)
     blocks = stage_blocks(shape.n_layer, L.pp)
     precision = "fp32" if width == 4 else "bf16"
-    states = [zero_memory(p, L.dp, L.zero if L.dp > 1 else 0, precision)["total"] for p in params]
+    states = [zero_memory(p, L.replicas, L.zero if L.replicas > 1 else 0, precision)["total"] for p in params]
     working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
-    if L.zero == 3 and L.dp > 1:
+    if L.zero == 3 and L.replicas > 1:
         block = _block_and_rest(shape, L.tp)[0]
         working = [zero3_working_set([block] * b, p - b * block, True, width, width)["total"]
                    for p, b in zip(params, blocks)]
@@ -255,18 +307,22 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         slow = calibration.ranks[min(calibration.ranks)].flops_per_second / calibration.at(world).flops_per_second
         step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow)
     tp_span = L.tp
-    costs, tp_total = [], 0.0
+    cp_link = calibration.link("send", world, L.tp * L.cp)
+    costs, tp_total, cp_total = [], 0.0, 0.0
     for s, b in enumerate(blocks):
         head = s == L.pp - 1
-        flops = _flops(shape, b, mb, seq_len, head) / L.tp
+        # the attention term of s/cp queries on all s keys: 1/cp of the whole sequence's
+        flops = _flops(shape, b, mb, full_seq, head) / L.tp / L.cp
         if L.recompute:  # the blocks' forward once more in backward: 4 passes instead of 3
-            flops += _flops(shape, b, mb, seq_len, False) / L.tp / 3
+            flops += _flops(shape, b, mb, full_seq, False) / L.tp / L.cp / 3
         units = b + (1 if s == 0 else 0) * 0.5 + (0.5 if head else 0)
         seconds = (step_cost.fixed * units + flops / step_cost.flops_per_second)
         calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width)
         tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
         tp_total = max(tp_total, tp_seconds)
-        costs.append(seconds + tp_seconds)
+        cp_block = b * cp_seconds(shape, mb, full_seq, L.tp, L.cp, step_cost.flops_per_second, cp_link, width)
+        cp_total = max(cp_total, cp_block)
+        costs.append(seconds + tp_seconds + cp_block)
     if L.pp == 1:
         compute, bubble = L.micro_batches * costs[0], 0.0
     else:
@@ -276,16 +332,17 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
         compute = step * unit
     tp_comm = tp_total * L.micro_batches
+    cp_comm = cp_total * L.micro_batches
 
     # ZeRO's (or plain DP's) collectives over the dp ranks, every micro-batch's included; the optimizer step
-    p, dp_span = params[busiest], L.tp * L.pp * L.dp
+    p, dp_span = params[busiest], L.tp * L.pp * L.dp * L.cp
     dp_calls = dp_collectives(L, p, max(blocks))
-    dp_comm = _collective_seconds(dp_calls, calibration, world, L.dp, dp_span)
+    dp_comm = _collective_seconds(dp_calls, calibration, world, L.replicas, dp_span)
     if L.pp > 1 and L.virtual == 1 and shape.tied_head:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width
         dp_comm += calibration.link("all_reduce", world, dp_span).seconds("all_reduce", tied, 2)
     total_params = sum(rank_parameters(shape, 1, 1))
-    share = p / total_params / (L.dp if L.zero >= 1 else 1)
+    share = p / total_params / (L.replicas if L.zero >= 1 else 1)
     optimizer = step_cost.optimizer * share
     return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble,
-                  working[busiest])
+                  working[busiest], cp_comm)

@@ -16,7 +16,12 @@ Sources (numbers as the papers report them):
   sharding of optimizer states and gradients over DP with the parameters not resharded after the
   forward (sec. 3.3.2: no second all-gather for the backward), which is ZeRO-2 here: the gradients
   reduce-scattered after each micro-batch's backward, the parameters gathered once per step;
-  400 TFLOP/s per GPU (41 % of the bf16 peak).
+  400 TFLOP/s per GPU (41 % of the bf16 peak). Its long-context stage (:data:`LONG_CONTEXT`, table 4's
+  second row, sec. 3.4.2): sequence 131,072 on the same 16,384 GPUs with TP 8 × CP 16 × PP 16 × DP 8,
+  16 sequences per replica (16 M tokens per batch), 380 TFLOP/s per GPU (38 %); context
+  parallelism keeps 8,192 tokens of each sequence on a GPU, as in the 8K stage. (Meta's CP
+  all-gathers the key/value heads, grouped-query attention's 8, where the planner prices the ring
+  of chapter 11: the same bytes per rank, in cp − 1 steps.)
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", table 1: the 145.6 B GPT (80 layers, h 12288, 96 heads, vocabulary 51,200,
   sequence 2048) on 1536 A100 80 GB with TP 8 × PP 8 × DP 24, batch 2304, interleaved schedule,
@@ -39,7 +44,7 @@ from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.planner.search import LayoutPlan, plan_layouts
 from parallel_lib.tensor_parallel.cost import GPTShape
 
-__all__ = ["LLAMA3", "PublishedRun", "RUNS", "Compared", "compare_run", "compare_all", "table"]
+__all__ = ["LLAMA3", "PublishedRun", "RUNS", "LONG_CONTEXT", "Compared", "compare_run", "compare_all", "table"]
 
 
 def _llama(n_layer: int, n_embd: int, n_head: int, ffn_hidden: int, context: int = 8192) -> GPTShape:
@@ -81,6 +86,14 @@ RUNS = (
     PublishedRun("Llama 3 8B, Ultra-Scale Playbook setting", LLAMA3["8B"], "H100", 64,
                  256, 4096, None, "Hugging Face 2025, The Ultra-Scale Playbook (sequence 4096, ~1M tokens per batch)"),
 )
+
+
+# the long-context stage (table 4, CP 16): not in RUNS, whose table chapter 10 prints; chapter 11 prices it
+LONG_CONTEXT = PublishedRun("Llama 3 405B, long context", _llama(126, 16_384, 128, 53_248, context=131_072), "H100",
+                            16384, 128, 131_072,
+                            Layout(dp=8, tp=8, pp=16, cp=16, zero=2, sequence_parallel=True, schedule="interleaved",
+                                   virtual=2, micro_batches=16, dtype="bf16"),
+                            "Llama Team 2024, table 4 (TP 8, CP 16, PP 16, DP 8, sequence 131,072)")
 
 
 @dataclass(frozen=True)
@@ -126,13 +139,15 @@ def _why(theirs: Priced, ours: Priced) -> str:
             "favour fewer, larger collectives")
 
 
-def compare_run(run: PublishedRun, max_pp: int = 32) -> Compared:
-    """The team's layout and the planner's best, priced with the GPU's published peaks."""
+def compare_run(run: PublishedRun, max_pp: int = 32, context_parallel: tuple[int, ...] = (1,)) -> Compared:
+    """The team's layout and the planner's best, priced with the GPU's published peaks (``context_parallel``:
+    the cp sizes the search tries, as :func:`~parallel_lib.planner.search.plan_layouts`)."""
     calibration = published_calibration(run.gpu)
     cost = StepCost(0.0, GPUS[run.gpu].flops_bf16)
     memory = GPUS[run.gpu].memory_bytes
     plan = plan_layouts(run.shape, run.devices, memory, run.global_batch, run.seq_len, calibration, cost,
-                        dtype="bf16", max_pp=max_pp, schedules=("1f1b", "interleaved"))
+                        dtype="bf16", max_pp=max_pp, schedules=("1f1b", "interleaved"),
+                        context_parallel=context_parallel)
     theirs = price(run.layout, run.shape, run.global_batch, run.seq_len, calibration, cost) if run.layout else None
     if plan.best is None:
         note = "nothing fits on these GPUs in the planner's model"

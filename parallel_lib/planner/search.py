@@ -1,9 +1,10 @@
-"""The calibrated planner's search: every dp × tp × pp layout of a job, priced, ranked, and the misfits explained.
+"""The calibrated planner's search: every dp × tp × pp (× cp) layout of a job, priced, ranked, misfits explained.
 
 :func:`plan_layouts` answers the practitioner's question before a launch — which layout, how much
 memory, how fast — for a GPT-shaped model (:class:`~parallel_lib.tensor_parallel.cost.GPTShape`)
 on ``devices`` of ``memory_per_device`` bytes. It tries every factorisation ``dp · tp · pp = devices``
-(tp dividing the heads and within a node, pp at most the blocks), every ZeRO stage, sequence
+(tp dividing the heads and within a node, pp at most the blocks; with ``context_parallel`` also
+``dp · tp · pp · cp = devices`` for each cp given), every ZeRO stage, sequence
 parallelism with tp, the pipeline schedules, and recomputation, and prices each with
 :func:`parallel_lib.planner.layout.price`. The layouts that fit are ranked by predicted step time
 (ties: less memory); each one that does not fit keeps the sentence that says why.
@@ -11,7 +12,7 @@ parallelism with tp, the pipeline schedules, and recomputation, and prices each 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 from parallel_lib.common.checks import positive_int
@@ -68,12 +69,15 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
                  calibration: Calibration, step_cost: Union[StepCost, str], dtype: str = "bf16",
                  gpus_per_node: int = 8, schedules: Sequence[str] = ("1f1b", "interleaved", "zb-h1"),
                  zero_stages: Sequence[int] = (0, 1, 2, 3), recompute: Sequence[bool] = (False, True),
-                 max_pp: int = 32, micro_batch_cap: int = 4, attention_scores: bool = False) -> LayoutPlan:
+                 max_pp: int = 32, micro_batch_cap: int = 4, attention_scores: bool = False,
+                 context_parallel: Sequence[int] = (1,)) -> LayoutPlan:
     """Price every layout of ``shape`` on ``devices`` devices; rank those within ``memory_per_device`` bytes.
 
     Pipelines run as many micro-batches as divide the replica's sequences, at most ``micro_batch_cap · pp``
     (the bubble shrinks with m; the GPipe paper's rule of thumb is m ≥ 4p); without a pipeline the
     replica's batch is split into the fewest micro-batches (gradient accumulation) whose activations fit.
+    ``context_parallel``: the cp sizes to try (chapter 11: each sequence split over cp ranks); a cp
+    that does not divide the devices, or whose 2·cp does not divide the sequence, is skipped.
 
     Raises:
         ValueError: a non-positive size (devices, batch, sequence, ``gpus_per_node``, ``max_pp``,
@@ -94,19 +98,33 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
     check_memory_bytes("memory_per_device", memory_per_device)
     fits: list[Candidate] = []
     rejected: list[Candidate] = []
-    for tp in divisors(devices):
+    for cp in context_parallel:
+        if devices % positive_int("cp", cp) == 0 and seq_len % (2 * cp if cp > 1 else 1) == 0:
+            _grid(fits, rejected, cp, shape, devices, global_batch, seq_len, calibration, step_cost, dtype,
+                  gpus_per_node, schedules, zero_stages, recompute, max_pp, micro_batch_cap, attention_scores,
+                  memory_per_device)
+    fits.sort(key=lambda c: (c.priced.step_seconds, c.priced.memory_bytes))  # type: ignore[union-attr]
+    return LayoutPlan(tuple(fits), tuple(rejected), memory_per_device)
+
+
+def _grid(fits: list, rejected: list, cp: int, shape: GPTShape, devices: int, global_batch: int, seq_len: int,
+          calibration: Calibration, step_cost: Union[StepCost, str], dtype: str, gpus_per_node: int,
+          schedules: Sequence[str], zero_stages: Sequence[int], recompute: Sequence[bool], max_pp: int,
+          micro_batch_cap: int, attention_scores: bool, memory_per_device: float) -> None:
+    """Every dp × tp × pp of ``devices / cp`` ranks, priced into ``fits`` or ``rejected``."""
+    for tp in divisors(devices // cp):
         if tp > gpus_per_node or shape.n_head % tp or shape.vocab_size % tp:
             continue
-        for pp in divisors(devices // tp):
+        for pp in divisors(devices // cp // tp):
             if pp > min(shape.n_layer, max_pp):
                 continue
-            dp = devices // (tp * pp)
+            dp = devices // (tp * pp * cp)
             if global_batch % dp:
-                rejected.append(Candidate(None, Layout(dp=dp, tp=tp, pp=pp),
+                rejected.append(Candidate(None, Layout(dp=dp, tp=tp, pp=pp, cp=cp),
                                           f"the batch of {global_batch} sequences does not split over dp={dp}"))
                 continue
             rows = global_batch // dp
-            for z in (zero_stages if dp > 1 else (0,)):
+            for z in (zero_stages if dp * cp > 1 else (0,)):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for name in (schedules if pp > 1 else ("1f1b",)):
                         m = _micro_batches(rows, pp, micro_batch_cap)
@@ -114,10 +132,9 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
                         if name == "interleaved" and (m % pp or shape.n_layer < 2 * pp):
                             continue  # Megatron's order needs m a multiple of p, and two blocks per rank
                         for rc in recompute:
-                            _try(fits, rejected, Layout(dp, tp, pp, z, sp, name, v, m, rc, dtype), shape, rows,
-                                 global_batch, seq_len, calibration, step_cost, memory_per_device, attention_scores)
-    fits.sort(key=lambda c: (c.priced.step_seconds, c.priced.memory_bytes))  # type: ignore[union-attr]
-    return LayoutPlan(tuple(fits), tuple(rejected), memory_per_device)
+                            _try(fits, rejected, Layout(dp, tp, pp, z, sp, name, v, m, rc, dtype, cp=cp), shape,
+                                 rows, global_batch, seq_len, calibration, step_cost, memory_per_device,
+                                 attention_scores)
 
 
 def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int, global_batch: int, seq_len: int,
@@ -126,8 +143,7 @@ def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int,
     counts = divisors(rows) if layout.pp == 1 else [layout.micro_batches]
     priced = None
     for m in counts:
-        candidate = Layout(layout.dp, layout.tp, layout.pp, layout.zero, layout.sequence_parallel, layout.schedule,
-                           layout.virtual, m, layout.recompute, layout.dtype)
+        candidate = replace(layout, micro_batches=m)
         priced = price(candidate, shape, global_batch, seq_len, calibration, step_cost, scores)
         if priced.memory_bytes <= memory:
             fits.append(Candidate(priced, candidate))

@@ -7,6 +7,11 @@
 - :mod:`.engine`: the one GPT-2 run over them, step by step, with a record of every step;
 - :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
 - :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching.
+- :mod:`.frontend`: one engine thread stepping, many client threads submitting, a queue of updates each;
+- :mod:`.http`: ``POST /v1/completions`` in OpenAI's shape (streamed as server-sent events), on 127.0.0.1;
+- :mod:`.load`: a load generator driving it as concurrent clients do (throughput, TTFT, TPOT).
+
+The last three are imported from their modules (``python -m parallel_lib.serving.http`` runs the server).
 """
 
 from parallel_lib.serving.block_manager import BlockManager, blocks_for

@@ -269,6 +269,18 @@ class ServingEngine:
         self.records.append(record)
         return record
 
+    def abort(self, index: int, reason: str = "aborted") -> bool:
+        """Stop request ``index`` between steps (its client left): its blocks are freed, its result gets ``reason``.
+
+        Returns:
+            whether it was still waiting or running (False: finished, or never added).
+        """
+        seq = self.scheduler.abort(index)
+        if seq is None:
+            return False
+        seq.result.error = f"request {index}: {reason}"
+        return True
+
     @property
     def preemptions(self) -> int:
         """Sequences preempted so far (each counted once per preemption)."""

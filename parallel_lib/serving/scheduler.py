@@ -175,3 +175,15 @@ class Scheduler:
         """``seq`` is done: free its blocks and drop it from the batch."""
         self.blocks.free(seq.id)
         self.running.remove(seq)
+
+    def abort(self, seq_id: int) -> Optional[Sequence]:
+        """Drop the sequence ``seq_id``, waiting or running (its blocks freed); returns it, None if not here."""
+        for seq in self.waiting:
+            if seq.id == seq_id:
+                self.waiting.remove(seq)  # a waiting sequence holds no blocks (preemption freed them)
+                return seq
+        for seq in self.running:
+            if seq.id == seq_id:
+                self.finish(seq)
+                return seq
+        return None
