@@ -34,7 +34,7 @@ class FigureSpec:
     """One image under ``figures/``."""
 
     stem: str                       # file name without ".png"
-    chapter: str                    # "ch00" .. "ch11"
+    chapter: str                    # "ch00" .. "ch12"
     measured: bool                  # True: timed on this machine (labelled with it); False: computed, identical every run
     make: Callable[[], Figure]
 
@@ -250,6 +250,18 @@ def _ring_attention() -> Figure:
         "Ring attention's forward steps as 4 gloo ranks recorded them (32 tokens, tiles of 4)")
 
 
+# ----------------------------------------------------------------------------- chapter 12
+
+def _moe_all_to_all() -> Figure:
+    """Chapter 12's dispatch widget on paper: one forward of 2 gloo ranks, replayed from its routing records."""
+    from parallel_lib.expert_parallel.walkthrough import DISPATCH_FIELDS, one_dispatch
+    from parallel_lib.runtime import launch
+    from parallel_lib.viz.expert_parallel import render_dispatch_grid
+    records = launch(one_dispatch, 2, backend="gloo")
+    return render_dispatch_grid(records, DISPATCH_FIELDS["n_experts"],
+                                title=f"Expert parallelism on 2 ranks, {DISPATCH_FIELDS}: one forward's rows")
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -277,6 +289,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
     FigureSpec("planner_widget_ch10", "ch10", False, _planner_widget),
     FigureSpec("ring_attention", "ch11", False, _ring_attention),
+    FigureSpec("moe_all_to_all", "ch12", False, _moe_all_to_all),
 ]
 
 
@@ -302,7 +315,7 @@ def collect(only: Optional[Sequence[str]] = None, static: bool = False) -> dict[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the PNG files")
-    parser.add_argument("--only", nargs="*", help="figure stems or chapters (ch00..ch11) to make (default: all)")
+    parser.add_argument("--only", nargs="*", help="figure stems or chapters (ch00..ch12) to make (default: all)")
     parser.add_argument("--static", action="store_true", help="skip the figures measured on this machine")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

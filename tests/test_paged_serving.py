@@ -336,3 +336,4 @@ def test_the_serving_benchmark_quick_run_prints_both_engines(capsys):
     assert "| + chunked prefill (6 tokens/step) | 8 |" in out
     assert "same tokens for every request: yes" in out
     assert "| + prefix caching | 8 |" in out and "% of prompt blocks taken from the cache" in out
+    assert "| speculative, k=2, draft: first 1 layer(s) |" in out and "| yes |" in out.split("Speculative")[1]

@@ -56,6 +56,7 @@ WIDGET_FIGURES: dict[str, str] = {
     "serving_calculator": "inference_calculator",
     "planner_widget": "planner_widget_ch10",
     "ring_attention_widget": "ring_attention",
+    "dispatch_widget": "moe_all_to_all",
 }
 
 

@@ -6,7 +6,9 @@
 - :mod:`.scheduler`: iteration-level batching with admission and preemption by recompute;
 - :mod:`.engine`: the one GPT-2 run over them, step by step, with a record of every step;
 - :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
-- :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching.
+- :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching;
+- :mod:`.layout`: one step's batch over the block tables, flat or padded, built with tensor operations;
+- :mod:`.speculative`: a draft model guesses k tokens, the target checks them in one pass;
 - :mod:`.frontend`: one engine thread stepping, many client threads submitting, a queue of updates each;
 - :mod:`.http`: ``POST /v1/completions`` in OpenAI's shape (streamed as server-sent events), on 127.0.0.1;
 - :mod:`.load`: a load generator driving it as concurrent clients do (throughput, TTFT, TPOT).
@@ -16,13 +18,18 @@ The last three are imported from their modules (``python -m parallel_lib.serving
 
 from parallel_lib.serving.block_manager import BlockManager, blocks_for
 from parallel_lib.serving.engine import ServingEngine, StepRecord
+from parallel_lib.serving.layout import StepLayout, paged_forward, step_layout
 from parallel_lib.serving.paged_kv_cache import PagedKVCache, PagedStep, slots_of
 from parallel_lib.serving.prefix_cache import PrefixCache, block_hashes
 from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
+from parallel_lib.serving.speculative import (SpeculativeDecoder, SpeculativeStats, draft_from_target, draw,
+                                              probabilities, verify_token)
 from parallel_lib.serving.trace import (Arrival, TraceMetrics, poisson_trace, replay_continuous, replay_static,
                                        trace_metrics)
 from parallel_lib.serving.waste import KVWaste, kv_waste
 
 __all__ = ["BlockManager", "blocks_for", "ServingEngine", "StepRecord", "PagedKVCache", "PagedStep", "slots_of",
            "PrefixCache", "block_hashes", "Scheduled", "Scheduler", "Sequence", "KVWaste", "kv_waste",
-           "Arrival", "TraceMetrics", "poisson_trace", "replay_continuous", "replay_static", "trace_metrics"]
+           "Arrival", "TraceMetrics", "poisson_trace", "replay_continuous", "replay_static", "trace_metrics",
+           "StepLayout", "paged_forward", "step_layout", "SpeculativeDecoder", "SpeculativeStats", "draft_from_target",
+           "draw", "probabilities", "verify_token"]

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence as Seq
 
 import torch
-import torch.nn.functional as F
 
 from parallel_lib.common.checks import check_number, positive_int
 from parallel_lib.inference.batch import Request, Result, check_requests, sample
 from parallel_lib.inference.engine import admit
 from parallel_lib.models.hf import as_gpt2
 from parallel_lib.serving.block_manager import BlockManager, blocks_for
-from parallel_lib.serving.paged_kv_cache import PagedKVCache, slots_of
+from parallel_lib.serving.layout import StepLayout, paged_forward, step_layout
+from parallel_lib.serving.paged_kv_cache import PagedKVCache
 from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
 
 __all__ = ["StepRecord", "ServingEngine"]
@@ -181,45 +181,13 @@ class ServingEngine:
         padded = len(fed) * max(fed) * 12 * h + 2 * len(fed) * max(fed) * max(lengths)
         return flat < padded
 
-    def _inputs(self, plan: Scheduled, flat: bool) -> tuple[torch.Tensor, ...]:
-        """One step's batch: ids, positions, write slots, valid (R, S); read slots (R, T); allowed (R, 1, S, T);
-        and each sequence's last new token as (rows, columns).
-
-        Flat: R = 1, every sequence's new tokens (and its keys) one after another. Padded: a row per
-        sequence, right-padded. A query sees the keys of its own sequence up to its position; padding
-        (queries and keys) belongs to no sequence.
-        """
-        bs, seqs = self.block_size, plan.sequences
-        lengths = plan.stops  # keys a sequence's queries may see: its tokens up to the last one fed
-        fed = [n - c for n, c in zip(lengths, plan.starts)]
-        R, S, T = (1, sum(fed), sum(lengths)) if flat else (len(seqs), max(fed), max(lengths))
-        # built as Python lists, one row per tensor row, and turned into tensors once (small steps are
-        # dominated by this bookkeeping, not by the model)
-        q_rows: list[list[list[int]]] = [[[], [], [], []] for _ in range(R)]  # ids, positions, write, owner
-        k_rows: list[list[list[int]]] = [[[], [], []] for _ in range(R)]      # read, key position, owner
-        rows, cols = [], []
-        for i, (seq, start, n) in enumerate(zip(seqs, plan.starts, lengths)):
-            r, table = (0 if flat else i), self.blocks.tables[seq.id]
-            ids, pos, write, q_owner = q_rows[r]
-            ids += seq.tokens[start:n]
-            pos += range(start, n)
-            write += slots_of(table, start, n, bs)
-            q_owner += [i] * (n - start)
-            read, key_pos, k_owner = k_rows[r]
-            read += slots_of(table, 0, n, bs)
-            key_pos += range(n)
-            k_owner += [i] * n
-            rows.append(r)
-            cols.append(len(ids) - 1)
-        pad = lambda lists, width, fill: [row + [fill] * (width - len(row)) for row in lists]  # noqa: E731
-        ids, positions, write = (torch.tensor(pad([q[j] for q in q_rows], S, 0)) for j in range(3))
-        q_owner = torch.tensor(pad([q[3] for q in q_rows], S, -1))
-        read, key_pos = (torch.tensor(pad([k[j] for k in k_rows], T, 0)) for j in range(2))
-        k_owner = torch.tensor(pad([k[2] for k in k_rows], T, -2))
-        allowed = (q_owner[:, :, None] == k_owner[:, None, :]) & (key_pos[:, None, :] <= positions[:, :, None])
-        valid = q_owner >= 0
-        return tuple(t.to(self.device) for t in (ids, positions, write, valid, read, allowed[:, None],
-                                                 torch.tensor(rows), torch.tensor(cols)))
+    def _inputs(self, plan: Scheduled, flat: bool) -> StepLayout:
+        """One step's batch (:mod:`.layout`): flat, one row holding every sequence's new tokens and keys; or
+        padded, a row per sequence. A query sees the keys of its own sequence up to its position."""
+        seqs = plan.sequences
+        tokens = [seq.tokens[start:stop] for seq, start, stop in zip(seqs, plan.starts, plan.stops)]
+        return step_layout([self.blocks.tables[seq.id] for seq in seqs], tokens, plan.starts, plan.stops,
+                           self.block_size, flat, self.device)
 
     @torch.no_grad()
     def step(self) -> Optional[StepRecord]:
@@ -231,15 +199,9 @@ class ServingEngine:
                 raise RuntimeError("no sequence could be scheduled while requests wait: the pool is too small")
             return None
         flat = self.flatten(plan)
-        ids, positions, write, valid, read, allowed, rows, cols = self._inputs(plan, flat)
-        store = self.cache.at(write, valid, read)
-        body = self.model.transformer
-        # a flat row may be longer than n_positions (many prompts side by side): every position in it is a
-        # real one (below n_positions, checked when added), so look them up without the table's length check
-        x = body.wte(ids) + F.embedding(positions, body.wpe.weight)                    # (R, S, h)
-        for block in body.h:
-            x = block(x, allowed, store)
-        logits = self.model.lm_head(body.ln_f(x[rows, cols])).float().cpu()            # (b, V)
+        layout = self._inputs(plan, flat)
+        x = paged_forward(self.model, self.cache.at(layout.write, layout.valid, layout.read), layout)  # (R, S, h)
+        logits = self.model.lm_head(x[layout.rows, layout.cols]).float().cpu()          # (b, V)
         now = self.now()
         prefill = [s.id for s, a, b in zip(plan.sequences, plan.starts, plan.stops)
                    if s.id in plan.admitted or b - a > 1 or b < len(s.tokens)]
@@ -247,6 +209,9 @@ class ServingEngine:
         tables = {s.id: self.blocks.table(s.id) for s in plan.sequences}
         fed = {s.id: b - a for s, a, b in zip(plan.sequences, plan.starts, plan.stops)}
         finished = []
+        # greedy rows take the batch's argmax, found in one call (sample() row by row costs ~50 us a row on a
+        # CPU, a tenth of a small model's decode step); a row with non-finite logits goes to sample() for its error
+        argmax, finite = logits.argmax(-1).tolist(), torch.isfinite(logits).all(-1).tolist()
         for row, (seq, stop) in enumerate(zip(plan.sequences, plan.stops)):
             tokens = seq.tokens
             seq.computed = stop
@@ -255,7 +220,8 @@ class ServingEngine:
                 continue  # a chunk of a prompt: nothing to sample yet
             result = seq.result
             try:
-                token = sample(logits[row], seq.request.temperature, seq.generator)
+                greedy = seq.request.temperature == 0.0 and finite[row]
+                token = argmax[row] if greedy else sample(logits[row], seq.request.temperature, seq.generator)
             except ValueError as error:
                 result.error = f"request {seq.id} failed at token {len(result.tokens)}: {error}"
             else:

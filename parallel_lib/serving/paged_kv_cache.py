@@ -103,4 +103,9 @@ class PagedStep:
         keys, values = self.cache.k[layer], self.cache.v[layer]
         keys[self.write] = k.transpose(1, 2)[self.valid]                   # (n valid, heads, d)
         values[self.write] = v.transpose(1, 2)[self.valid]
-        return keys[self.read].transpose(1, 2), values[self.read].transpose(1, 2)  # gather: (b, heads, T, d)
+        # the gather, as one index_select of whole slots (rows of heads · d): on a CPU about 4x faster than
+        # indexing the (slots, heads, d) pool with the 2-D table (pool[read]), which goes element by element
+        shape, rows = (*self.read.shape, *keys.shape[1:]), self.read.reshape(-1)             # (b, T, heads, d)
+        k_all = keys.view(keys.shape[0], -1).index_select(0, rows).view(shape)
+        v_all = values.view(values.shape[0], -1).index_select(0, rows).view(shape)
+        return k_all.transpose(1, 2), v_all.transpose(1, 2)                                  # (b, heads, T, d)

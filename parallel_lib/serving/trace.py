@@ -1,8 +1,12 @@
 """A request trace and its replay: the same arrivals through static batching and continuous batching.
 
 A trace is a seeded list of :class:`Arrival` (time, request): arrivals of a Poisson process (gaps
-drawn from an exponential distribution of mean ``1 / rate``), prompt and output lengths drawn
-uniformly from ranges, so short and long requests mix, the case where static batching loses most.
+drawn from an exponential distribution of mean ``1 / rate``), prompt lengths drawn uniformly from a
+range and output lengths uniformly or *log-uniformly* (``outputs="log-uniform"``: as many requests
+between 1 and 10 tokens as between 10 and 100, a long tail like chat traffic's, where most answers
+are short and a few are long), so short and long requests mix. That mix is the case where static
+batching loses most: a static group runs until its longest request ends, its finished rows idle,
+while continuous batching gives a finished row's place to the next request at once.
 
 Both replays run in real time on one clock starting at the first arrival: a request cannot be
 served before it arrives, and the engine sleeps when it has nothing to do.
@@ -27,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from parallel_lib.common.checks import check_int, positive_int, positive_number
+from parallel_lib.common.checks import check_choice, check_int, positive_int, positive_number
 from parallel_lib.inference.batch import Request, Result
 from parallel_lib.inference.engine import Engine
 from parallel_lib.serving.engine import ServingEngine
@@ -53,8 +57,8 @@ def _length_range(name: str, value: tuple[int, int]) -> tuple[int, int]:
 
 
 def poisson_trace(n: int, rate: float, prompt_lengths: tuple[int, int], output_lengths: tuple[int, int],
-                  vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> list[Arrival]:
-    """``n`` requests arriving as a Poisson process of ``rate`` per second, lengths uniform in their ranges.
+                  vocab_size: int, seed: int = 0, shared_prefix: int = 0, outputs: str = "uniform") -> list[Arrival]:
+    """``n`` requests arriving as a Poisson process of ``rate`` per second, lengths drawn in their ranges.
 
     Args:
         n: requests.
@@ -64,10 +68,14 @@ def poisson_trace(n: int, rate: float, prompt_lengths: tuple[int, int], output_l
         seed: the trace's seed (the same seed gives the same trace).
         shared_prefix: tokens of one "system prompt" put in front of every prompt (0: none); the
             prompt lengths count the tokens after it.
+        outputs: "uniform" (every output length in the range alike) or "log-uniform" (the logarithm of
+            the length uniform: short outputs common, long ones rare; see the module docstring).
 
     Raises:
-        ValueError, TypeError: a count below 1, a rate not > 0, a range that is not (low <= high).
+        ValueError, TypeError: a count below 1, a rate not > 0, a range that is not (low <= high), an
+            unknown ``outputs``.
     """
+    check_choice("outputs", outputs, ("uniform", "log-uniform"))
     positive_int("n", n), positive_number("rate", rate), positive_int("vocab_size", vocab_size)
     check_int("seed", seed, minimum=0), check_int("shared_prefix", shared_prefix, minimum=0)
     (p_lo, p_hi), (o_lo, o_hi) = _length_range("prompt_lengths", prompt_lengths), _length_range("output_lengths",
@@ -80,7 +88,12 @@ def poisson_trace(n: int, rate: float, prompt_lengths: tuple[int, int], output_l
     for t in times:
         length = int(torch.randint(p_lo, p_hi + 1, (), generator=g))
         prompt = torch.randint(0, vocab_size, (length,), generator=g).tolist()
-        out.append(Arrival(t, Request(system + prompt, int(torch.randint(o_lo, o_hi + 1, (), generator=g)))))
+        if outputs == "uniform":
+            new = int(torch.randint(o_lo, o_hi + 1, (), generator=g))
+        else:  # exp of a uniform log: floor(exp(U[log lo, log(hi + 1)))) lies in lo .. hi
+            u = float(torch.rand((), generator=g, dtype=torch.float64))
+            new = min(o_hi, int(math.exp(math.log(o_lo) + u * (math.log(o_hi + 1) - math.log(o_lo)))))
+        out.append(Arrival(t, Request(system + prompt, new)))
     return out
 
 
