@@ -234,6 +234,22 @@ def _planner_widget() -> Figure:
     return planner_figure()
 
 
+# ----------------------------------------------------------------------------- chapter 11
+def _ring_attention() -> Figure:
+    """Chapter 11's ring attention replayed from the step record of a causal run on 4 gloo ranks, both splits.
+
+    The record holds block indices and tile counts, not times: the image is the same on every machine.
+    """
+    from parallel_lib.context_parallel.verify import Case, attention_check
+    from parallel_lib.runtime import launch
+    from parallel_lib.viz.ring_attention import gathered_record, render_ring_attention_strip
+    cases = [Case("ring", True, layout, heads=2, seq_len=32, block=4) for layout in ("contiguous", "zigzag")]
+    ranks = launch(attention_check, 4, cases, backend="gloo", timeout=180)
+    return render_ring_attention_strip(
+        {f"cp 4, causal, {case.layout}": gathered_record(ranks, i) for i, case in enumerate(cases)},
+        "Ring attention's forward steps as 4 gloo ranks recorded them (32 tokens, tiles of 4)")
+
+
 # ----------------------------------------------------------------------------- chapter 12
 
 def _moe_all_to_all() -> Figure:
@@ -272,6 +288,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("pipeline_v_schedules_ch08", "ch08", False, _v_schedules),
     FigureSpec("grid3d_2x2x2", "ch10", False, _grid3d),
     FigureSpec("planner_widget_ch10", "ch10", False, _planner_widget),
+    FigureSpec("ring_attention", "ch11", False, _ring_attention),
     FigureSpec("moe_all_to_all", "ch12", False, _moe_all_to_all),
 ]
 

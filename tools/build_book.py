@@ -55,6 +55,7 @@ WIDGET_FIGURES: dict[str, str] = {
     "layer_widget": "tp_layer_steps",
     "serving_calculator": "inference_calculator",
     "planner_widget": "planner_widget_ch10",
+    "ring_attention_widget": "ring_attention",
     "dispatch_widget": "moe_all_to_all",
 }
 

@@ -89,6 +89,11 @@ _CHECKERS.update({"check_choose_layout": "ch10", "check_oom_term": "ch10"})
 CHAPTERS = CHAPTERS + ("10",)
 __all__ += ["check_choose_layout", "check_oom_term"]
 
+# chapter 11 (appended: the registries above stay as they were)
+_CHECKERS.update({"check_merge_attention": "ch11", "check_zigzag_positions": "ch11", "check_busiest_share": "ch11"})
+CHAPTERS = CHAPTERS + ("11",)
+__all__ += ["check_merge_attention", "check_zigzag_positions", "check_busiest_share"]
+
 # chapter 12 (appended: the registries above stay as they were)
 _CHECKERS.update({"check_dispatch_rows": "ch12", "check_combine_rows": "ch12", "check_balance_effect": "ch12"})
 CHAPTERS = CHAPTERS + ("12",)

@@ -26,6 +26,7 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "row_parallel_forward", "tp_operators", "vocab_cross_entropy",
            "linear_weight_grad", "interleaved_bubble", "SCHEDULE_LAB", "REPAIR_DEADLOCK",
            "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT",
+           "merge_attention", "zigzag_positions", "BUSIEST_SHARE",
            "dispatch_rows", "combine_rows", "BALANCE_EFFECT"]
 
 
@@ -334,6 +335,29 @@ def cache_step(k_cache, v_cache, k_new, v_new, lengths):
 # a 2-stage pipeline, a step of time t per stage: 1 request crosses both stages per token (1 token per 2t);
 # 4 requests make 2 groups that keep both stages busy, each group step yielding 2 tokens (4 tokens per 2t)
 PIPELINE_THROUGHPUT = (0.5, 2.0)
+
+
+# --------------------------------------------------------------------------- chapter 11
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    top = torch.maximum(lse_a, lse_b)                     # shift by the larger: exp never overflows
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)   # both -inf: weights 0, not NaN
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)   # each block's denominator, shifted
+    total = weight_a + weight_b
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (out_a * weight_a[..., None] + out_b * weight_b[..., None]) / safe[..., None]  # a weighted mean
+    lse = top + torch.log(total)                          # log of the two denominators' sum
+    return out, lse
+
+
+def zigzag_positions(seq_len, cp, rank):
+    chunk = seq_len // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank               # the i-th chunk from the start and from the end
+    return list(range(first * chunk, (first + 1) * chunk)) + list(range(second * chunk, (second + 1) * chunk))
+
+
+# rank i of the contiguous split holds positions i·s/cp .. (i+1)·s/cp − 1: about (2i + 1)/cp² of the causal
+# triangle's s²/2 entries; the last rank, i = cp − 1, (2·cp − 1)/cp² = 7/16 at cp = 4
+BUSIEST_SHARE = 7 / 16
 
 
 # --------------------------------------------------------------------------- chapter 12
