@@ -192,7 +192,7 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-16:-2]
+    summary = captured.out.splitlines()[-17:-2]
     assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
     total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
     seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
@@ -204,7 +204,8 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
         ["| sharding", "06_sharded_data_parallel", "passed"],
         ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08b_v_shapes_and_hangs", "passed"],
         ["| inference", "09_inference", "passed"],
-        ["| grid3d", "10_training_at_scale", "passed"], ["| context_parallel", "11_long_context", "passed"]]
+        ["| grid3d", "10_training_at_scale", "passed"], ["| context_parallel", "11_long_context", "passed"],
+        ["| expert_parallel", "12_mixture_of_experts", "passed"]]
 
 
 def test_main_with_one_gpu_runs_the_checks_that_need_one(monkeypatch, fake_checks):
