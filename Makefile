@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(BENCH) sharding $(BENCH_FLAGS)
 	$(BENCH) tp $(BENCH_FLAGS)
 	$(BENCH) schedules $(BENCH_FLAGS)
+	$(BENCH) split_backward $(BENCH_FLAGS)
 	$(BENCH) inference $(BENCH_FLAGS)
 	$(BENCH) planner $(BENCH_FLAGS)
 
