@@ -55,7 +55,8 @@ __all__ = ["TensorOrTensors", "Saved", "StageRunner", "RngState", "as_tuple", "l
            "move_stage", "save_rng", "replayed_rng"]
 
 TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
-Saved = tuple[Any, ...]  # (input leaves, outputs or loss, recorded ops or None) or ("recompute", input, loss, rng, split)
+# (input leaves, outputs or loss, recorded operations or None), or ("recompute", input, loss, rng, split)
+Saved = tuple[Any, ...]
 
 
 def as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
@@ -276,7 +277,8 @@ class StageRunner:
         self.last_saved_bytes = counter.bytes
         outputs = as_tuple(y)
         ops = recorder.ops if isinstance(recorder, record_weight_ops) else None
-        return (like(x, leaves) if leaves else (), outputs, ops), like(y, tuple(t.detach() for t in outputs))  # type: ignore
+        saved = (like(x, leaves) if leaves else (), outputs, ops)
+        return saved, like(y, tuple(t.detach() for t in outputs))  # type: ignore
 
     def _redo(self, saved: Any) -> Any:
         """The saved state of a recomputed micro-batch: its forward run again, with grad, from the saved

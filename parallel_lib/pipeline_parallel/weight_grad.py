@@ -76,7 +76,8 @@ class _SplitOp(torch.autograd.Function):
     """One parameterised operation as one node: backward gives the input gradient and keeps dy [1]."""
 
     @staticmethod
-    def forward(ctx: Any, func: Any, spec: Any, flat: list, ops: list, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, func: Any, spec: Any, flat: list, ops: list,  # type: ignore[override]
+                *tensors: Tensor) -> Tensor:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
             it = iter(leaves)
