@@ -82,7 +82,10 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def stage_costs(module: nn.Module, x: torch.Tensor, count: int) -> dict[str, list[float]]:
-    """Seconds of F, F recording, the whole backward, B and W of one stage, each repeat, repeats interleaved.
+    """Seconds of F, F recording, the whole backward, B and W of one stage, each repeat.
+
+    The unsplit and the split pass alternate which runs first (the second one of a repeat finds
+    the allocator in another state), and both start without gradients.
 
     Args:
         module: the stage (not the first: its input gets a gradient).
@@ -96,16 +99,20 @@ def stage_costs(module: nn.Module, x: torch.Tensor, count: int) -> dict[str, lis
     grad = torch.randn_like(x)
     times: dict[str, list[float]] = {k: [] for k in ("F", "F split", "whole", "B", "W")}
     for k in range(count + 1):
-        f, (saved, _) = _timed(lambda: runner.forward(x))
-        whole, _ = _timed(lambda: runner.backward(saved, grad))
-        module.zero_grad(set_to_none=True)  # both backwards start without gradients (no accumulation to time)
-        fs, (saved, _) = _timed(lambda: runner.forward(x, split=True))
-        b, (_, todo) = _timed(lambda: runner.backward_input(saved, grad))
-        w, _ = _timed(lambda: runner.backward_weight(todo))
-        module.zero_grad(set_to_none=True)
+        got: dict[str, float] = {}
+        for split in ((False, True) if k % 2 else (True, False)):  # each goes first in every other repeat
+            if split:
+                got["F split"], (saved, _) = _timed(lambda: runner.forward(x, split=True))
+                got["B"], (_, todo) = _timed(lambda: runner.backward_input(saved, grad))
+                got["W"], _ = _timed(lambda: runner.backward_weight(todo))
+            else:
+                got["F"], (saved, _) = _timed(lambda: runner.forward(x))
+                got["whole"], _ = _timed(lambda: runner.backward(saved, grad))
+            module.zero_grad(set_to_none=True)  # both backwards start without gradients (no accumulation to time)
+            del saved
         if k:  # the first round warms up
-            for key, value in zip(times, (f, fs, whole, b, w)):
-                times[key].append(value)
+            for key in times:
+                times[key].append(got[key])
     return times
 
 

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 __all__ = ["WEIGHT_OPS", "WeightOp", "record_weight_ops", "weight_gradients", "add_gradients"]
 
@@ -76,12 +75,16 @@ class _SplitOp(torch.autograd.Function):
     """One parameterised operation as one node: backward gives the input gradient and keeps dy [1]."""
 
     @staticmethod
-    def forward(ctx: Any, func: Any, spec: Any, flat: list, ops: list,  # type: ignore[override]
+    def forward(ctx: Any, func: Any, call: tuple[list, dict, list], ops: list,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
+        args, kwargs, slots = call  # slots: where each tensor goes (an index of args, or a keyword)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            it = iter(leaves)
-            args, kwargs = pytree.tree_unflatten([next(it) if isinstance(a, Tensor) else a for a in flat], spec)
+            for slot, leaf in zip(slots, leaves):
+                if isinstance(slot, int):
+                    args[slot] = leaf
+                else:
+                    kwargs[slot] = leaf
             out = func(*args, **kwargs)
         params = [k for k, t in enumerate(tensors) if _is_parameter(t)]
         op = WeightOp(out, [leaves[k] for k in params], [tensors[k] for k in params])
@@ -102,7 +105,7 @@ class _SplitOp(torch.autograd.Function):
                                       allow_unused=True)
             for (k, _), g in zip(ctx.inputs, got):
                 grads[k] = g
-        return (None, None, None, None, *grads)
+        return (None, None, None, *grads)
 
 
 class record_weight_ops(TorchFunctionMode):
@@ -126,10 +129,11 @@ class record_weight_ops(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func in WEIGHT_OPS and torch.is_grad_enabled() and _catchable(func, args, kwargs):
-            flat, spec = pytree.tree_flatten((args, kwargs))
-            tensors = [a for a in flat if isinstance(a, Tensor)]
+            slots: list = [k for k, a in enumerate(args) if isinstance(a, Tensor)]
+            slots += [key for key, a in kwargs.items() if isinstance(a, Tensor)]
+            tensors = [args[slot] if isinstance(slot, int) else kwargs[slot] for slot in slots]
             if any(_is_parameter(t) for t in tensors):
-                return _SplitOp.apply(func, spec, flat, self.ops, *tensors)
+                return _SplitOp.apply(func, (list(args), dict(kwargs), slots), self.ops, *tensors)
         return func(*args, **kwargs)
 
 
