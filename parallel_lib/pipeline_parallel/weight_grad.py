@@ -93,6 +93,7 @@ class _SplitOp(torch.autograd.Function):
         ctx.inputs = [(k, leaf) for k, (leaf, t) in enumerate(zip(leaves, tensors))
                       if t.requires_grad and k not in params]
         ctx.n = len(tensors)
+        ctx.product = _input_product(func, args, kwargs, slots, tensors, [k for k, _ in ctx.inputs])
         return out.detach()
 
     @staticmethod
@@ -100,12 +101,32 @@ class _SplitOp(torch.autograd.Function):
         op: WeightOp = ctx.op
         op.grad = grad
         grads: list[Optional[Tensor]] = [None] * ctx.n
-        if ctx.inputs:  # keep the small graph: W runs the weight half of the same kernels [2]
+        if ctx.product is not None:  # a linear layer's dx = dy W, the product autograd would run
+            k, product = ctx.product
+            grads[k] = product(grad)
+        elif ctx.inputs:  # keep the small graph: W runs the weight half of the same kernels [2]
             got = torch.autograd.grad(op.out, [leaf for _, leaf in ctx.inputs], grad, retain_graph=True,
                                       allow_unused=True)
             for (k, _), g in zip(ctx.inputs, got):
                 grads[k] = g
         return (None, None, None, *grads)
+
+
+def _input_product(func: Any, args: list, kwargs: dict, slots: list, tensors: tuple, inputs: list) -> Any:
+    """``(k, dy -> dx)`` for a linear layer whose only input with a gradient is its ``x`` (tensor k), else None.
+
+    The product is the one autograd's backward of ``F.linear`` / ``torch.addmm`` runs for the input
+    (so the gradients stay bitwise those of a whole backward), without a second autograd call per
+    operation in B; any other case asks the small graph.
+    """
+    if func is F.linear and slots[:2] == [0, 1] and inputs == [0] and _is_parameter(tensors[1]):
+        weight = tensors[1]
+        return 0, lambda dy: dy.matmul(weight)
+    if (func is torch.addmm and not kwargs and len(args) == 3 and slots == [0, 1, 2] and inputs == [1]
+            and _is_parameter(tensors[2]) and tensors[1].dim() == 2):
+        weight = tensors[2]
+        return 1, lambda dy: dy.mm(weight.t())
+    return None
 
 
 class record_weight_ops(TorchFunctionMode):
