@@ -56,3 +56,12 @@ def test_where_torchs_orders_differ_it_is_listed():
     overlapped = [["0F0", "1F0", "1I0", "0F1", "0B0", "1W0", "1F1", "1B1", "0B1"]]
     got = from_torch_actions("dualpipev", overlapped, 2, (0, 0))
     assert " ".join(map(str, got.stages[0])) == "F0s0 F0s1 B0s1 F1s0 B0s0 W0s0 W0s1 F1s1 B1s1 W1s1 B1s0 W1s0"
+
+
+def test_quick_split_backward_benchmark_prints_costs_and_both_schedules(capsys):
+    assert bench_main(["split_backward", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Split backward on ")
+    assert "| MLP, 4 x (Linear + Tanh) | 32 | " in out and "| GPT-2, 2 blocks | 32 | " in out
+    for p, how in ((2, "simulated"), (4, "simulated"), (4, "measured (Pipe threads)")):
+        assert f"| 32 | {p} | {how} | " in out

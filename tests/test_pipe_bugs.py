@@ -422,14 +422,25 @@ def test_simulate_names_a_cost_that_is_not_a_number_and_all_zero_costs():
             simulate(schedule, costs)
 
 
-def test_a_stage_whose_forward_runs_a_layer_twice_is_named():
+def test_a_stage_whose_forward_runs_a_layer_twice_splits_its_backward_exactly():
+    # W was once cut between an nn.Sequential's layers, and a layer run twice was refused; it is now
+    # cut at each parameterised operation, so each of the two calls keeps its own input and output
+    # gradient, and W sums the shared weight's two parts
     from parallel_lib.pipeline_parallel.stage import StageRunner
 
     class Twice(nn.Sequential):
         def forward(self, x):
-            return self[0](self[0](x))
+            return self[1](torch.tanh(self[0](torch.tanh(self[0](x)))))
 
-    runner = StageRunner(Twice(nn.Linear(2, 2), nn.Linear(2, 2)), torch.device("cpu"), first=True)
-    message = r"a stage.s layers ran in the order \[0, 0\], not each once in order \(0..1\)"
-    with pytest.raises(RuntimeError, match=message):
-        runner.forward(torch.randn(3, 2))
+    torch.manual_seed(0)
+    model, x = Twice(nn.Linear(2, 2), nn.Linear(2, 2)), torch.randn(3, 2)
+    runner = StageRunner(model, torch.device("cpu"), first=True)
+    saved, _ = runner.forward(x, lambda y: y.square().sum())
+    runner.backward(saved, None)
+    whole = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    saved, _ = runner.forward(x, lambda y: y.square().sum(), split=True)
+    _, todo = runner.backward_input(saved, None)
+    assert all(p.grad is None for p in model.parameters())  # B writes no weight gradient
+    runner.backward_weight(todo)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), whole))

@@ -3,8 +3,10 @@
 The student writes ``linear_weight_grad(x, grad_y)``: for ``y = x @ weight.T + bias``, the gradients
 of ``weight`` and ``bias`` from the layer's saved input and its output gradient. The checker
 compares with autograd on inputs of two and three dimensions (a batch of sequences), then puts
-the function into every linear layer of a model and trains it on a ZB-H1 ``Pipe``, whose W
-actions then run it, and compares every gradient with the unsplit ``nn.Linear`` model's.
+the function into every linear layer of a model (a custom autograd function, which the split
+backward keeps whole: its B runs it and W adds what it returned), trains it on a ZB-H1 ``Pipe``
+and compares every gradient with the unsplit ``nn.Linear`` model's. The library's own W for a
+linear layer runs the same product (:mod:`parallel_lib.pipeline_parallel.weight_grad`).
 Recognised mistakes: the product transposed, the bias's gradient not summed over the rows,
 a 3-D input summed over its first dimension only, a mean where the gradient is a sum.
 """
@@ -88,7 +90,7 @@ class _StudentLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
-        grad_weight, grad_bias = ctx.fn(x, grad_y)  # autograd keeps what each call wants (B: x; W: weights)
+        grad_weight, grad_bias = ctx.fn(x, grad_y)  # one node: a split backward's B runs it whole
         return grad_y @ weight, grad_weight, grad_bias, None
 
 

@@ -39,8 +39,8 @@ EXERCISES = [
     Exercise("linear_weight_grad", check_linear_weight_grad, LINEAR_WEIGHT_GRAD_STUB, solution("linear_weight_grad"),
              "Write `linear_weight_grad(x, grad_y)`: the W of a split backward for one linear layer, the "
              "gradients of its weight and bias from the input F saved and the output gradient B received. "
-             "The checker compares with autograd, then runs your function in every W of a ZB-H1 `Pipe` and "
-             "compares every gradient with the unsplit model's."),
+             "The checker compares with autograd, then puts your function into every linear layer of a model "
+             "trained on a ZB-H1 `Pipe` and compares every gradient with the unsplit model's."),
     Exercise("interleaved_bubble", check_interleaved_bubble, INTERLEAVED_STUB, solution("interleaved_bubble"),
              "Warm-up: write `interleaved_bubble(p, m, v)`, the bubble of interleaved 1F1B with v model stages "
              "per rank, as the simulator measures it."),

@@ -134,7 +134,7 @@ class RankStages:
         loss = self.loss(i) if s == self.last and self.loss is not None else None
 
         def compute() -> tuple[Any, Any, int]:  # saved bytes read on the thread that ran the forward
-            saved, y = runner.forward(x, loss, recompute=self.recompute(i))
+            saved, y = runner.forward(x, loss, recompute=self.recompute(i), split=self.split)
             return saved, y, runner.last_saved_bytes
 
         self.saved[(s, i)], y, self._bytes[(s, i)] = self.timed(action, compute)

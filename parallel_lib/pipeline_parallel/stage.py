@@ -49,11 +49,14 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from parallel_lib.pipeline_parallel.weight_grad import add_gradients, record_weight_ops, weight_gradients
+
 __all__ = ["TensorOrTensors", "Saved", "StageRunner", "RngState", "as_tuple", "like", "cut", "saved_bytes",
            "move_stage", "save_rng", "replayed_rng"]
 
 TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
-Saved = tuple[Any, ...]  # (input leaves, outputs or loss, each layer's outputs) or ("recompute", input, loss, rng)
+# (input leaves, outputs or loss, recorded operations or None), or ("recompute", input, loss, rng, split)
+Saved = tuple[Any, ...]
 
 
 def as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
@@ -236,7 +239,7 @@ class StageRunner:
             return self.module(x)
 
     def forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]] = None,
-                recompute: bool = False) -> tuple[Saved, TensorOrTensors]:
+                recompute: bool = False, split: bool = False) -> tuple[Saved, TensorOrTensors]:
         """Run the stage for training: ``(saved for backward, detached output or loss)``.
 
         Args:
@@ -244,68 +247,47 @@ class StageRunner:
             loss: on the last stage, maps the output to the micro-batch's (weighted) loss.
             recompute: keep only the input and run the forward again at backward time
                 (activation checkpointing): memory of one input instead of every layer's.
+            split: its backward will be split into :meth:`backward_input` and :meth:`backward_weight`
+                (zero-bubble schedules): record each parameterised operation
+                (:class:`~parallel_lib.pipeline_parallel.weight_grad.record_weight_ops`).
 
         After the call ``self.last_saved_bytes`` holds the bytes autograd saved for backward.
         """
         with self._turn():
             if not recompute:
-                return self._forward(x, loss)
+                return self._forward(x, loss, split)
             rng = save_rng(self.device)  # the state the recomputation replays
             with torch.no_grad():
-                y = self._call(_moved(x, self.device))[0]
+                y = self.module(_moved(x, self.device))
                 y = loss(y) if loss is not None else y
         self.last_saved_bytes = sum(t.numel() * t.element_size() for t in as_tuple(x))
-        return ("recompute", x, loss, rng), like(y, tuple(t.detach() for t in as_tuple(y)))  # type: ignore
+        return ("recompute", x, loss, rng, split), like(y, tuple(t.detach() for t in as_tuple(y)))  # type: ignore
 
-    def _forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]]
+    def _forward(self, x: TensorOrTensors, loss: Optional[Callable[[TensorOrTensors], Tensor]], split: bool
                  ) -> tuple[Saved, TensorOrTensors]:
         if self.first:
             leaves, inputs = (), _moved(x, self.device)
         else:
             leaves, inputs = cut(x, self.device)
-        with saved_bytes(self.module.parameters()) as counter:
-            y, bounds = self._call(inputs)  # bounds: each layer's output, where W is cut per layer
+        recorder = record_weight_ops() if split else contextlib.nullcontext()
+        with saved_bytes(self.module.parameters()) as counter, recorder:
+            y = self.module(inputs)  # through the module's own call, so its hooks fire
             if loss is not None:
                 y = loss(y)
-                bounds[-1] = as_tuple(y)
         self.last_saved_bytes = counter.bytes
         outputs = as_tuple(y)
-        return (like(x, leaves) if leaves else (), outputs, bounds), like(y, tuple(t.detach() for t in outputs))  # type: ignore
-
-    def _call(self, inputs: TensorOrTensors) -> tuple[TensorOrTensors, list[tuple[Tensor, ...]]]:
-        """``(module(inputs), each layer's output)``: through the module's own call, so its hooks fire."""
-        layers = self._layers()
-        if layers == [self.module]:
-            y = self.module(inputs)
-            return y, [as_tuple(y)]
-        ran: list[tuple[int, tuple[Tensor, ...]]] = []  # (layer, its output) in the order they ran
-        handles = [layer.register_forward_hook(lambda _layer, _args, out, k=k: ran.append((k, as_tuple(out))))
-                   for k, layer in enumerate(layers)]  # after the user's own hooks: sees what the next layer gets
-        try:
-            y = self.module(inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if [k for k, _ in ran] != list(range(len(layers))):  # W is cut between the layers
-            raise RuntimeError(f"a stage's layers ran in the order {[k for k, _ in ran]}, not each once in order "
-                               f"(0..{len(layers) - 1}); a stage must call each of its layers once, in order (a "
-                               f"layer held twice, or an nn.Sequential with a forward of its own, cannot be cut "
-                               f"into layers)")
-        bounds = [out for _, out in ran]
-        return y, bounds
-
-    def _layers(self) -> list[nn.Module]:
-        """The layers W is cut between: an ``nn.Sequential``'s, else the module as one layer."""
-        return list(self.module) if isinstance(self.module, nn.Sequential) else [self.module]
+        ops = recorder.ops if isinstance(recorder, record_weight_ops) else None
+        saved = (like(x, leaves) if leaves else (), outputs, ops)
+        return saved, like(y, tuple(t.detach() for t in outputs))  # type: ignore
 
     def _redo(self, saved: Any) -> Any:
         """The saved state of a recomputed micro-batch: its forward run again, with grad, from the saved
         random-number state (the same dropout masks as the forward whose loss the step reports)."""
-        if not isinstance(saved[0], str):  # ("recompute", input, loss, rng) from a checkpointed forward
+        if not isinstance(saved[0], str):  # ("recompute", input, loss, rng, split) from a checkpointed forward
             return saved
-        _, x, loss, rng = saved
+        _, x, loss, rng, split = saved
         with self._turn(), replayed_rng(self.device, rng), torch.enable_grad():
-            return self._forward(x, loss)[0]
+            return self._forward(x, loss, split)[0]
 
     def backward(self, saved: Saved, grad: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
         """Backward of the stage [3]: the gradient of its input (None on the first stage).
@@ -315,7 +297,12 @@ class StageRunner:
             grad: the gradient of the output (None for a loss); outputs whose gradient is None,
                 or that do not require grad, are left out, as autograd does for unused outputs.
         """
-        leaves, outputs = self._redo(saved)[:2]
+        state = self._redo(saved)
+        leaves, outputs, ops = state
+        if ops is not None:  # recorded for a split backward: B then W in one go
+            grad_x, todo = self.backward_input(state, grad)
+            self.backward_weight(todo)
+            return grad_x
         pairs = _pairs(outputs, grad)
         if pairs:  # a parameter-free first stage has nothing to differentiate
             torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
@@ -326,38 +313,39 @@ class StageRunner:
     def backward_input(self, saved: Saved, grad: Optional[TensorOrTensors]) -> tuple[Any, Any]:
         """B of a split backward: ``(gradient of the stage's input, what W needs)``.
 
-        One ``torch.autograd.grad`` from the outputs to the stage's input and to every layer's
-        output, keeping the graph: the input gradient is what the previous stage waits for, and
-        each layer's output gradient lets W reach that layer's weights without going through
-        the layers after it again.
+        One ``torch.autograd.grad`` from the outputs to the stage's input and to its parameters:
+        every recorded operation's node gives only its input gradient and keeps its output
+        gradient for W (:mod:`.weight_grad` [1]); a parameter used by an operation that was not
+        recorded gets its whole gradient now, which W adds. Nothing is written to ``.grad``.
+
+        Raises:
+            ValueError: ``saved`` comes from a forward without ``split=True``.
         """
-        leaves, outputs, bounds = self._redo(saved)
+        leaves, outputs, ops = self._redo(saved)
+        if ops is None:
+            raise ValueError("backward_input needs a forward run with split=True (its parameterised operations "
+                             "recorded); call runner.forward(x, loss, split=True)")
         pairs = _pairs(outputs, grad)
-        inner = [t for layer_out in bounds[:-1] for t in layer_out if t.requires_grad]
-        wanted = inner if self.first else [t for t in as_tuple(leaves) if t.requires_grad] + inner
-        got = (torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True,
-                                   allow_unused=True) if pairs and wanted else [None] * len(wanted))
-        grads = dict(zip(map(id, wanted), got))
-        tail = [(y, g) for y, g in pairs]  # the last layer's outputs take the stage's output gradient
-        per_layer = [[(t, grads[id(t)]) for t in layer_out if t.requires_grad and grads.get(id(t)) is not None]
-                     for layer_out in bounds[:-1]]
-        todo = (per_layer + [tail], [t for t in wanted], got)  # keep tensors alive until W
+        inputs = [] if self.first else [t for t in as_tuple(leaves) if t.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        wanted = inputs + params
+        got = (torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+               if pairs and wanted else [None] * len(wanted))
+        grads = dict(zip(map(id, inputs), got[:len(inputs)]))
+        early = {p: g for p, g in zip(params, got[len(inputs):]) if g is not None}  # not recorded: whole now
+        todo = (ops, early)
         if self.first:
             return None, todo
         return like(leaves, tuple(grads.get(id(t)) for t in as_tuple(leaves))), todo
 
     def backward_weight(self, todo: Any) -> None:
-        """W of a split backward: each layer's weight gradients from its output gradient, added to ``.grad``."""
-        per_layer = todo[0]
-        for layer, pairs in zip(self._layers(), per_layer):
-            params = [p for p in layer.parameters() if p.requires_grad]
-            if not params or not pairs:
-                continue
-            grads = torch.autograd.grad([y for y, _ in pairs], params, [g for _, g in pairs], retain_graph=True,
-                                        allow_unused=True)
-            for p, g in zip(params, grads):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+        """W of a split backward: every recorded operation's weight gradients (:mod:`.weight_grad` [2]),
+        plus those B computed already, added to ``.grad``."""
+        ops, early = todo
+        grads = weight_gradients(ops)
+        for p, g in early.items():
+            grads[p] = grads[p] + g if p in grads else g
+        add_gradients(grads)
 
 
 def _pairs(outputs: tuple[Tensor, ...], grad: Optional[TensorOrTensors]) -> list[tuple[Tensor, Optional[Tensor]]]:

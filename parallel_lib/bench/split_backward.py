@@ -1,0 +1,194 @@
+"""What a split backward costs (chapter 08): ``python -m parallel_lib.bench split_backward [--quick]``.
+
+Zero-bubble schedules split each backward into B (input gradients) and W (weight gradients);
+they pay only if B + W costs what one whole backward costs. For one pipeline stage at widths
+384 and 768, two models (the schedules benchmark's MLP stage: 4 blocks of Linear + Tanh, 128 rows;
+two GPT-2 blocks, 2 sequences of 64 tokens), repeats interleaved, medians:
+
+- F (unsplit, and recording the operations W is cut at), the whole backward, B, W, and the ratio
+  (B + W) / whole, in one run: of the medians, and of each cost's fastest repeat (the least
+  disturbed on a shared machine); one torch thread;
+- 1F1B beside ZB-H1 simulated from those costs (1F1B: F and the whole backward; ZB-H1: the
+  recording F, B and W; medians, and the fastest repeats) at p = 2 and 4, m = 8;
+- 1F1B beside ZB-H1 measured on a threaded :class:`~parallel_lib.pipeline_parallel.Pipe` at
+  p = 4, m = 8 (the MLP, one stage per thread: on a machine with fewer than 4 cores the threads
+  share them, which the table says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from parallel_lib.bench import repeats
+from parallel_lib.common.models import gpt2_config
+from parallel_lib.common.tables import markdown_table
+from parallel_lib.models.attention import allowed_keys
+from parallel_lib.models.dropout import DropoutStream
+from parallel_lib.models.gpt2 import Block
+from parallel_lib.pipeline_parallel import Pipe, make_schedule
+from parallel_lib.pipeline_parallel.simulator import simulate_schedule
+from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.runtime.environment import machine_label
+
+__all__ = ["Config", "QUICK", "stage_costs", "run", "main"]
+
+
+@dataclass(frozen=True)
+class Config:
+    widths: tuple[int, ...] = (384, 768)
+    rows: int = 128
+    repeats: int = 40
+    micro_batches: int = 8
+    pipe_repeats: int = 9
+
+
+QUICK = Config(widths=(32,), rows=16, repeats=2, micro_batches=4, pipe_repeats=1)
+
+
+def _mlp(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)])
+
+
+class _Blocks(nn.Module):
+    """Two GPT-2 blocks, (b, s, h) -> (b, s, h), causal."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        config = gpt2_config("tiny", vocab_size=64, n_embd=width, n_head=max(1, width // 64), n_layer=2,
+                             n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(config, k, DropoutStream(0)) for k in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        allowed = allowed_keys(x.shape[1], device=x.device)
+        for block in self.blocks:
+            x = block(x, allowed)
+        return x
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def stage_costs(module: nn.Module, x: torch.Tensor, count: int) -> dict[str, list[float]]:
+    """Seconds of F, F recording, the whole backward, B and W of one stage, each repeat.
+
+    The unsplit and the split pass alternate which runs first (the second one of a repeat finds
+    the allocator in another state), and both start without gradients.
+
+    Args:
+        module: the stage (not the first: its input gets a gradient).
+        x: one micro-batch's input.
+        count: timed repeats (one more warms up).
+
+    Returns:
+        ``{"F", "F split", "whole", "B", "W"}``: the seconds of each timed repeat.
+    """
+    runner = StageRunner(module, torch.device("cpu"), first=False)
+    grad = torch.randn_like(x)
+    times: dict[str, list[float]] = {k: [] for k in ("F", "F split", "whole", "B", "W")}
+    for k in range(count + 1):
+        got: dict[str, float] = {}
+        for split in ((False, True) if k % 2 else (True, False)):  # each goes first in every other repeat
+            if split:
+                got["F split"], (saved, _) = _timed(lambda: runner.forward(x, split=True))
+                got["B"], (_, todo) = _timed(lambda: runner.backward_input(saved, grad))
+                got["W"], _ = _timed(lambda: runner.backward_weight(todo))
+            else:
+                got["F"], (saved, _) = _timed(lambda: runner.forward(x))
+                got["whole"], _ = _timed(lambda: runner.backward(saved, grad))
+            module.zero_grad(set_to_none=True)  # both backwards start without gradients (no accumulation to time)
+            del saved
+        if k:  # the first round warms up
+            for key in times:
+                times[key].append(got[key])
+    return times
+
+
+def _simulated(costs: dict[str, float], p: int, m: int) -> tuple[float, float]:
+    """(1F1B's, ZB-H1's) simulated step seconds, p equal stages of these costs."""
+    one_f_one_b = simulate_schedule(make_schedule("1f1b", p, m), [(costs["F"], costs["whole"])] * p)
+    zb = simulate_schedule(make_schedule("zb-h1", p, m), [(costs["F split"], costs["B"], costs["W"])] * p)
+    return one_f_one_b.step_time, zb.step_time
+
+
+def _pipe_steps(name: str, width: int, rows: int, m: int, count: int) -> list[float]:
+    """Seconds of each timed training step of the 8-block MLP on a threaded Pipe, p = 4 (one warms up)."""
+    x, y = torch.randn(rows * m, width), torch.randn(rows * m, width)
+    times = []
+    with Pipe(_mlp(width, 8), ["cpu"] * 4, chunks=m, schedule=name) as pipe:
+        pipe.train_step(x, y, nn.functional.mse_loss)  # warm-up
+        for _ in range(count):
+            seconds, _ = _timed(lambda: pipe.train_step(x, y, nn.functional.mse_loss))
+            times.append(seconds)
+    return times
+
+
+def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
+    """(the cost rows, the 1F1B-beside-ZB-H1 rows)."""
+    costs_rows, step_rows = [], []
+    for width in config.widths:
+        models = {"MLP, 4 x (Linear + Tanh)": (_mlp(width, 4), torch.randn(config.rows, width)),
+                  "GPT-2, 2 blocks": (_Blocks(width), torch.randn(2, config.rows // 2, width))}
+        for label, (module, x) in models.items():
+            times = stage_costs(module, x, config.repeats)
+            c = {key: statistics.median(values) for key, values in times.items()}
+            least = {key: min(values) for key, values in times.items()}
+            costs_rows.append([label, width, *(f"{c[k] * 1e3:.2f}" for k in ("F", "F split", "whole", "B", "W")),
+                               f"{(c['B'] + c['W']) / c['whole']:.2f}",
+                               f"{(least['B'] + least['W']) / least['whole']:.2f}"])
+            for p in (2, 4):
+                ours, zb = _simulated(c, p, config.micro_batches)
+                ours_least, zb_least = _simulated(least, p, config.micro_batches)
+                step_rows.append([label, width, p, "simulated", f"{ours * 1e3:.1f}", f"{zb * 1e3:.1f}",
+                                  f"{zb / ours:.2f}", f"{zb_least / ours_least:.2f}"])
+        rows = config.rows // 2 if config.rows > 16 else config.rows
+        ours_steps, zb_steps = (_pipe_steps(name, width, rows, config.micro_batches, config.pipe_repeats)
+                                for name in ("1f1b", "zb-h1"))
+        ours, zb = statistics.median(ours_steps), statistics.median(zb_steps)
+        step_rows.append(["MLP, 8 x (Linear + Tanh)", width, 4, "measured (Pipe threads)", f"{ours * 1e3:.1f}",
+                          f"{zb * 1e3:.1f}", f"{zb / ours:.2f}", f"{min(zb_steps) / min(ours_steps):.2f}"])
+    return costs_rows, step_rows
+
+
+def markdown(costs_rows: list[list[object]], step_rows: list[list[object]], config: Config) -> str:
+    cores = os.cpu_count() or 1
+    head = ["stage", "width", "F ms", "F recording ms", "whole backward ms", "B ms", "W ms", "(B + W) / whole",
+            "the same, fastest repeats"]
+    steps = ["model", "width", "p", "how", "1F1B step ms", "ZB-H1 step ms", "ZB-H1 / 1F1B",
+             "the same, fastest repeats"]
+    return "\n".join([f"Split backward on {machine_label()} ({torch.get_num_threads()} torch threads, {cores} cores; "
+                      f"medians of {config.repeats} interleaved repeats)", "", markdown_table(head, costs_rows), "",
+                      f"1F1B beside ZB-H1, m = {config.micro_batches} (the Pipe at p = 4: "
+                      f"{config.pipe_repeats} steps, {config.rows // 2 if config.rows > 16 else config.rows} rows "
+                      f"per micro-batch{'; 4 stage threads share ' + str(cores) + ' cores' if cores < 4 else ''}):",
+                      "", markdown_table(steps, step_rows)])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench split_backward",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="width 32, two repeats: a smoke run")
+    parser.add_argument("--repeats", type=repeats, help="timed repeats per cost (median is reported)")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else Config()
+    if args.repeats is not None:
+        config = replace(config, repeats=args.repeats)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a shared machine a thread pool's waits would dominate these small products
+    try:
+        print(markdown(*run(config), config))
+    finally:
+        torch.set_num_threads(threads)
+    return 0
