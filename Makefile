@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BENCH) planner $(BENCH_FLAGS)
 	$(BENCH) context $(BENCH_FLAGS)
 	$(BENCH) moe $(BENCH_FLAGS)
+	$(BENCH) serving $(BENCH_FLAGS)
 
 # The torch step first tries a torch wheel that pip can find locally (a classroom's
 # wheel folder set as pip's find-links) so no multi-GB CUDA build is downloaded on a
