@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _serving_requests import NEW, PROMPTS, hf_greedy
 from parallel_lib.bench.__main__ import main as bench_dispatch
 from parallel_lib.inference import Engine, Request, Result, ServeConfig
 from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, Scheduler, Sequence, ServingEngine,
@@ -18,8 +19,6 @@ from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, Sched
                                   slots_of, trace_metrics)
 
 CONFIG = ServeConfig(initializer_range=0.3)
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [40, 41, 42], list(range(20, 33))]
-NEW = [7, 3, 9, 5, 12, 6]
 REQUESTS = [Request(p, n) for p, n in zip(PROMPTS, NEW)]
 
 
@@ -31,12 +30,7 @@ def model():
 @pytest.fixture(scope="module")
 def expected(model):
     """Hugging Face's greedy tokens, each request alone (no padding)."""
-    out = []
-    for p, n in zip(PROMPTS, NEW):
-        ids = torch.tensor([p])
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-        out.append(got[0, len(p):].tolist())
+    out = hf_greedy(model)
     assert len({t for tokens in out for t in tokens}) > 5, "a model that repeats one token proves little"
     return out
 

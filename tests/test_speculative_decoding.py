@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _serving_requests import NEW, PROMPTS, hf_greedy
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.inference import Request, ServeConfig
 from parallel_lib.serving import SpeculativeDecoder, draft_from_target, draw, verify_token
 
 CONFIG = ServeConfig(initializer_range=0.3)
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [40, 41, 42], list(range(20, 33))]
-NEW = [7, 3, 9, 5, 12, 6]
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +27,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def expected(model):
-    out = []
-    for p, n in zip(PROMPTS, NEW):
-        ids = torch.tensor([p])
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-        out.append(got[0, len(p):].tolist())
-    return out
+    return hf_greedy(model)
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, pool_below: float = 5.0) -> float:

@@ -10,10 +10,11 @@
 - :mod:`.layout`: one step's batch over the block tables, flat or padded, built with tensor operations;
 - :mod:`.speculative`: a draft model guesses k tokens, the target checks them in one pass;
 - :mod:`.frontend`: one engine thread stepping, many client threads submitting, a queue of updates each;
+- :mod:`.completion_request`: what a completion request's body may hold, checked field by field;
 - :mod:`.http`: ``POST /v1/completions`` in OpenAI's shape (streamed as server-sent events), on 127.0.0.1;
 - :mod:`.load`: a load generator driving it as concurrent clients do (throughput, TTFT, TPOT).
 
-The last three are imported from their modules (``python -m parallel_lib.serving.http`` runs the server).
+The last four are imported from their modules (``python -m parallel_lib.serving.http`` runs the server).
 """
 
 from parallel_lib.serving.block_manager import BlockManager, blocks_for
