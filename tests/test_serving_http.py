@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,19 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+@contextmanager
+def held_when(server, condition, timeout: float = 10.0):
+    """Pause the engine at the first step boundary where ``condition(engine)`` holds, and yield it paused."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with server.frontend.paused() as engine:
+            if condition(engine):
+                yield engine
+                return
+        assert time.monotonic() < deadline, f"the engine never reached the state asked for in {timeout} s"
+        time.sleep(0.002)
 
 
 def serving_threads() -> list[str]:
@@ -205,6 +219,23 @@ def test_engine_abort_frees_a_running_or_a_waiting_request(model):
     assert engine.results[a].error == f"request {a}: gone" and len(engine.results[a].tokens) == 1
 
 
+
+def test_a_client_gets_the_engine_lock_at_the_next_step_boundary(model):
+    """A Lock is not fair: without the hand-off the engine thread takes it back after every step, and
+    a client asking for it (submit, paused) waits until the engine runs dry."""
+    engine = ServingEngine(model, num_blocks=160, block_size=4, max_batch=16)
+    with Frontend(engine) as front:
+        tickets = [front.submit(Request([1 + i, 2, 3], 120)) for i in range(8)]
+        waited = []
+        for _ in range(5):
+            before = len(engine.records)
+            with front.paused():
+                waited.append(len(engine.records) - before)
+            time.sleep(0.001)
+        assert max(waited) <= 2 and front.live() == 8, waited  # at most the step running when it asked
+        for ticket in tickets:
+            front.abort(ticket)
+
 # --- disconnects, listeners, shutdown ------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -213,11 +244,11 @@ def test_a_client_that_disconnects_is_aborted_and_its_blocks_freed(server, strea
     body = json.dumps({"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 120, "stream": stream}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    assert wait_until(lambda: free_blocks(server) < start)  # admitted: it holds blocks
-    if stream:
-        assert sock.recv(4096).startswith(b"HTTP/1.0 200")  # it is running: tokens come
-    with server.frontend.paused() as engine:  # hold it mid-generation, the client leaves, the handler sees it
-        assert server.frontend.live() == 1 and engine.blocks.num_free() < start
+    # hold the engine at the first step boundary where the request holds blocks (admitted, mid-generation);
+    # the client leaves and the handler sees it
+    with held_when(server, lambda engine: server.frontend.live() == 1 and engine.blocks.num_free() < start):
+        if stream:
+            assert sock.recv(4096).startswith(b"HTTP/1.0 200")  # it is running: its first token came
         sock.close()
         assert wait_until(lambda: server.connections() == 0)
     assert wait_until(lambda: server.frontend.live() == 0)

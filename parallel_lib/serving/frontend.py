@@ -16,6 +16,10 @@ error: aborted by its client, the engine failed, or the front end closed. None i
 
 Every wait has a timeout: the lock (``lock_timeout``), the engine thread's sleep when idle
 (``poll``), and :meth:`Frontend.close`'s join, which raises if the thread is still alive.
+
+A ``threading.Lock`` is not fair: the engine thread releases it after a step and takes it again at
+once, so a client waiting for it could wait until the engine runs dry. Clients therefore say that
+they wait (``_waiting``), and the engine thread lets them in before its next step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,6 +124,8 @@ class Frontend:
         self.failed = 0         # requests ended by an engine failure or by close
         self.error: Optional[BaseException] = None  # what stopped the engine thread, if it failed
         self._lock = threading.Lock()
+        self._waiting = 0       # client threads waiting for the lock (the engine lets them in first)
+        self._count = threading.Lock()  # guards _waiting
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._live: dict[int, Ticket] = {}
@@ -188,7 +195,7 @@ class Frontend:
         if self._closed or not self.running:
             raise FrontendClosed("the server is not running" + (f": the engine failed ({self.error!r})"
                                                                if self.error else ""))
-        if not self._lock.acquire(timeout=self.lock_timeout):
+        if not self._client_acquire():
             raise FrontendBusy(f"the engine did not take a new request within {self.lock_timeout} s; try again")
         try:
             if self._closed or self.error is not None:
@@ -215,12 +222,28 @@ class Frontend:
         Raises:
             FrontendBusy: the engine lock was not free within ``lock_timeout``.
         """
-        if not self._lock.acquire(timeout=self.lock_timeout):
+        if not self._client_acquire():
             raise FrontendBusy(f"the engine did not pause within {self.lock_timeout} s")
         try:
             yield self.engine
         finally:
             self._lock.release()
+
+    def _client_acquire(self) -> bool:
+        """Take the engine lock for a client thread within ``lock_timeout``, ahead of the engine's next step."""
+        with self._count:
+            self._waiting += 1
+        try:
+            return self._lock.acquire(timeout=self.lock_timeout)
+        finally:
+            with self._count:
+                self._waiting -= 1
+
+    def _let_clients_in(self) -> None:
+        """Engine thread, lock released: wait (at most ``lock_timeout``) until the waiting clients have taken it."""
+        deadline = time.monotonic() + self.lock_timeout
+        while self._waiting and not self._stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
     def abort(self, ticket: Ticket) -> None:
         """Stop ``ticket``'s request at the next step boundary (its blocks are freed); its last update says so."""
@@ -242,6 +265,7 @@ class Frontend:
                             self._publish(record.tables, record.finished)
                 finally:
                     self._lock.release()
+                self._let_clients_in()
                 if not busy:
                     self._wake.wait(self.poll)
                     self._wake.clear()
