@@ -122,9 +122,11 @@ def open_widget_cell(browser, lab_url, notebook: str, marker: str, tries: int = 
     """
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(90_000)
-    page.goto(f"{lab_url}/lab/tree/{notebook}?token={TOKEN}")
+    # a workspace of its own: the default one would also restore the notebooks earlier tests opened,
+    # hidden behind this one, with execution indicators of their own
+    page.goto(f"{lab_url}/lab/workspaces/{Path(notebook).stem}/tree/{notebook}?token={TOKEN}")
     page.wait_for_selector(".jp-Notebook .jp-CodeCell")
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")  # kernel started
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'] >> visible=true")  # kernel started
     cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea-editor", has_text=marker)).first
     widget = cell.locator(".jp-OutputArea-output .widget-box").first
     for attempt in range(1, tries + 1):
