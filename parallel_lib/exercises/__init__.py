@@ -98,3 +98,8 @@ __all__ += ["check_merge_attention", "check_zigzag_positions", "check_busiest_sh
 _CHECKERS.update({"check_dispatch_rows": "ch12", "check_combine_rows": "ch12", "check_balance_effect": "ch12"})
 CHAPTERS = CHAPTERS + ("12",)
 __all__ += ["check_dispatch_rows", "check_combine_rows", "check_balance_effect"]
+
+# chapter 13 (appended: the registries above stay as they were)
+_CHECKERS.update({"check_block_slot": "ch13", "check_admit_requests": "ch13", "check_accept_draft": "ch13"})
+CHAPTERS = CHAPTERS + ("13",)
+__all__ += ["check_block_slot", "check_admit_requests", "check_accept_draft"]

@@ -27,7 +27,8 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "linear_weight_grad", "interleaved_bubble", "SCHEDULE_LAB", "REPAIR_DEADLOCK",
            "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT",
            "merge_attention", "zigzag_positions", "BUSIEST_SHARE",
-           "dispatch_rows", "combine_rows", "BALANCE_EFFECT"]
+           "dispatch_rows", "combine_rows", "BALANCE_EFFECT",
+           "block_slot", "admit_requests", "accept_draft"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -378,3 +379,29 @@ def combine_rows(back, token, slot, weights, n_tokens):
 # without capacity every choice is computed (64 rows), the busiest expert falls from 63 to ~18;
 # with capacity 1.0 the busiest stays at its 16 slots, and the dropped choices (47 of 64) become rows again
 BALANCE_EFFECT = dict(no_capacity="busiest", capacity="total")
+
+
+# --------------------------------------------------------------------------- chapter 13
+def block_slot(table, block_size, position):
+    block = table[position // block_size]         # the table maps the sequence's k-th block to a pool block
+    return block * block_size + position % block_size
+
+
+def admit_requests(free_blocks, waiting, running, max_batch, block_size):
+    admitted = []
+    for i, length in enumerate(waiting):           # oldest first
+        if running + len(admitted) >= max_batch:
+            break
+        need = -(-length // block_size)            # blocks for all of its tokens, rounded up
+        if need > free_blocks:
+            break                                  # the head blocks the rest: nobody overtakes it
+        admitted.append(i)
+        free_blocks -= need
+    return admitted
+
+
+def accept_draft(p, q, token, u):
+    if u < min(1.0, float(p[token] / q[token])):
+        return True, None
+    residual = (p - q).clamp(min=0)                # where the target gives more than the draft
+    return False, residual / residual.sum()
