@@ -1,21 +1,14 @@
-"""Chapter 13's exercises: each checker passes the reference and names each typical wrong answer; and the widget's
-replay of the engine's records (the state of every request in every step, the owners of every block).
+"""Chapter 13's exercises: each checker names each typical wrong answer; the stubs, the graded lab, the notebook.
 
 Wrong answers are written as a student writes them in a cell (``notebook_function``). The reference answers
 passing is ``test_exercises.test_reference_solution_passes``; here, the stubs and the graded lab.
 """
 
-from types import SimpleNamespace
+import pytest
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-
-from parallel_lib import exercises  # noqa: E402
-from parallel_lib.exercises import EXERCISES  # noqa: E402
-from test_exercises import notebook_function  # noqa: E402  the same module pytest collects: one cell counter
+from parallel_lib import exercises
+from parallel_lib.exercises import EXERCISES
+from test_exercises import notebook_function  # the same module pytest collects: one counter of cell names
 
 _SLOT = '''
 def block_slot(table, block_size, position):
@@ -138,48 +131,3 @@ def test_grade_notebook_scores_the_chapter_13_stubs_zero():
     grades = grade_notebook("notebooks/13_serving_engine.ipynb")
     assert [r.exercise for r in grades] == ["block_slot", "admit_requests", "accept_draft"]
     assert not any(r.passed for r in grades) and "score: 0 / 3" in repr(grades)
-
-
-# --- the widget's replay -------------------------------------------------------------------------------------
-
-def _record(step, prefill=(), decode=(), admitted=(), preempted=(), finished=(), tables=None, fed=None, free=0):
-    return SimpleNamespace(step=step, prefill=list(prefill), decode=list(decode), admitted=list(admitted),
-                           preempted=list(preempted), finished=list(finished), tables=tables or {}, fed=fed or {},
-                           free_blocks=free, lengths={})
-
-
-# two requests in a pool of 3 blocks of 2: r0 grows into a second block, r1 is preempted, r0 ends, r1 returns
-_RECORDS = [_record(0, prefill=[0, 1], admitted=[0, 1], tables={0: [0], 1: [1]}, fed={0: 2, 1: 1}, free=1),
-            _record(1, decode=[0], preempted=[1], tables={0: [0, 2]}, free=1),
-            _record(2, decode=[0], finished=[0], tables={0: [0, 2]}, free=1),
-            _record(3, prefill=[1], admitted=[1], tables={1: [2, 0]}, fed={1: 2}, free=1)]
-
-
-def test_the_replay_reads_each_requests_state_and_each_blocks_owner_from_the_records():
-    from parallel_lib.viz.serving_steps import block_owners, serving_step_caption, step_states
-    assert step_states(_RECORDS) == {0: ["prefill", "decode", "finished", ""],
-                                     1: ["prefill", "preempted", "", "prefill"]}
-    assert block_owners(_RECORDS[1], 3) == [[(0, 0)], [], [(0, 1)]]
-    assert block_owners(_RECORDS[3], 3) == [[(1, 1)], [], [(1, 0)]]                  # a table out of order
-    shared = _record(0, tables={0: [0, 1], 1: [0, 2]})
-    assert block_owners(shared, 3)[0] == [(0, 0), (1, 0)]                            # a prefix block, held twice
-    assert serving_step_caption(_RECORDS, 1) == ("step 1: prefill none; decode r0; admitted none; preempted r1; "
-                                                 "finished none; 1 blocks free")
-    assert "prefill r0 (2 tokens), r1 (1 token)" in serving_step_caption(_RECORDS, 0)
-    with pytest.raises(ValueError, match="outside a pool of num_blocks=2"):
-        block_owners(_RECORDS[1], 2)
-    with pytest.raises(ValueError, match="step"):
-        serving_step_caption(_RECORDS, 4)
-    with pytest.raises(ValueError, match="records must hold"):
-        serving_step_caption([], 0)
-
-
-def test_a_frame_writes_each_blocks_owner_and_the_strip_draws_the_steps_asked_for():
-    from parallel_lib.viz.serving_steps import render_serving_step, render_serving_strip
-    fig = render_serving_step(_RECORDS, 3, 3)
-    texts = [t.get_text() for t in fig.axes[0].texts]
-    assert [t for t in texts if t.startswith("r") or t == "free"] == ["r1 #1", "free", "r1 #0"]
-    plt.close(fig)
-    fig = render_serving_strip(_RECORDS, 3, steps=[0, 1])
-    assert len(fig.axes) == 3 and fig.axes[1].get_title(loc="left").startswith("step 1: ")
-    plt.close(fig)
