@@ -272,7 +272,7 @@ def _serving_steps() -> Figure:
     from parallel_lib.serving.walkthrough import walkthrough_model, walkthrough_run
     from parallel_lib.viz.serving_steps import render_serving_strip
     engine = walkthrough_run(walkthrough_model())
-    return render_serving_strip(engine.records, engine.blocks.num_blocks,
+    return render_serving_strip(engine.records, engine.blocks.num_blocks, steps=(0, 1, 3, 5, 6, 7),
                                 title="Six requests through a pool of 6 blocks of 4 slots, at most 4 per step "
                                       "(the engine's own step records)")
 

@@ -52,6 +52,9 @@ def test_a_frame_writes_each_blocks_owner_and_the_strip_draws_the_steps_asked_fo
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert [t for t in texts if t.startswith("r") or t == "free"] == ["r1 #1", "free", "r1 #0"]
     plt.close(fig)
+    fig = render_serving_step(_RECORDS, 2, 3)                            # r0's last step: its blocks go back
+    assert [t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("free")] == ["freed", "free", "freed"]
+    plt.close(fig)
     fig = render_serving_strip(_RECORDS, 3, steps=[0, 1])
     assert len(fig.axes) == 3 and fig.axes[1].get_title(loc="left").startswith("step 1: ")
     plt.close(fig)

@@ -3,7 +3,8 @@
 Every frame is one :class:`~parallel_lib.serving.engine.StepRecord` of a real run (``engine.records``):
 
 - **the pool**: one cell per block, coloured by the request whose block table holds it (its
-  position in that table written inside: ``r2 #1`` is request 2's second block), free blocks grey;
+  position in that table written inside: ``r2 #1`` is request 2's second block), free blocks grey
+  ("freed": a request that finished in this step gave it back);
   a block that several tables hold (a shared prefix) names all of them;
 - **the batch over time**: one row per request, one column per step, coloured by what the request
   did in that step (fed its prompt or a chunk of it, decoded one token, was preempted, finished);
@@ -96,12 +97,12 @@ def serving_step_caption(records: Sequence[Any], step: int) -> str:
 def _draw_pool(ax: Axes, record: Any, num_blocks: int, title: str) -> None:
     owners = block_owners(record, num_blocks)
     rows = -(-num_blocks // _PER_ROW)
-    for block, held in enumerate(owners):
+    for block, owned in enumerate(owners):
+        held = [(r, k) for r, k in owned if r not in record.finished]  # a finished request's blocks are freed
         x, y = block % _PER_ROW, -(block // _PER_ROW)
         color = _request_color(held[0][0]) if held else _FREE
-        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=color, edgecolor="black", linewidth=0.8,
-                               ))
-        label = "\n".join(f"r{r} #{k}" for r, k in held) if held else "free"
+        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=color, edgecolor="black", linewidth=0.8))
+        label = "\n".join(f"r{r} #{k}" for r, k in held) if held else ("freed" if owned else "free")
         ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=8, color="black" if held else "#777777")
         ax.text(x + 0.5, y + 1.05, f"{block}", ha="center", va="bottom", fontsize=6, color="#555555")
     ax.set_xlim(0, min(num_blocks, _PER_ROW))
