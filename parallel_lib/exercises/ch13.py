@@ -61,17 +61,21 @@ def scheduler_admits(free_blocks: int, waiting: list[int], running: int, max_bat
                      block_size: int) -> list[int]:
     """What the library's :class:`Scheduler` admits in this situation (positions in ``waiting``).
 
-    Builds a pool of ``running + free_blocks`` blocks, ``running`` sequences each holding one block whose
-    tokens all fit it (so none needs another block this step), queues ``waiting`` and calls ``schedule``.
+    Builds a pool of ``running + free_blocks`` blocks and lets the scheduler admit ``running`` sequences of
+    ``block_size - 1`` prompt tokens (a block each); each then gets its first token, as the engine gives it, so
+    that it holds ``block_size`` tokens and needs no other block. Then ``waiting`` is queued and ``schedule``
+    decides the next step.
     """
-    blocks = BlockManager(running + free_blocks, block_size)
-    scheduler = Scheduler(blocks, max_batch)
-    for i in range(running):
-        seq = Sequence(i, Request([1] * block_size, 4), Result(i))
-        blocks.allocate(i, seq.tokens)
-        seq.computed, seq.order = block_size - 1, i  # its last prompt token is this step's one-token feed
-        scheduler.running.append(seq)
-    scheduler._admissions = running
+    scheduler = Scheduler(BlockManager(running + free_blocks, block_size), max_batch)
+    sequences = [Sequence(i, Request([1] * max(block_size - 1, 1), 4), Result(i)) for i in range(running)]
+    for seq in sequences:
+        scheduler.add(seq)
+    if sequences:
+        plan = scheduler.schedule()
+        assert plan.admitted == list(range(running)), "the running sequences must all be admitted first"
+        for seq, stop in zip(plan.sequences, plan.stops):  # what the engine does after the forward pass
+            seq.computed = stop
+            seq.result.tokens.append(0)
     first = 1000
     for j, length in enumerate(waiting):
         scheduler.add(Sequence(first + j, Request([1] * length, 4), Result(first + j)))
