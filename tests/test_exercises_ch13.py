@@ -82,7 +82,7 @@ _ACCEPT_RIGHT = dict(test="u < min(1.0, float(p[token] / q[token]))",
 
 
 @pytest.mark.parametrize("change, fragments", [
-    (dict(test="u < float(q[token] / p[token])"), ["accepted with probability q/p", "min(1, p(x) / q(x))"]),
+    (dict(test="u < float(q[token] / p[token])"), ["accepted with probability q/p", "upside down"]),
     (dict(test="bool(p[token] >= q[token])"), ["u not used", "kept sometimes"]),
     (dict(test="u < float(p[token])"), ["q not used"]),
     (dict(residual="p"), ["rejected: expected to resample from", "(resampled from p)", "beyond q"]),

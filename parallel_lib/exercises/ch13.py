@@ -177,7 +177,7 @@ def _uniform(seed: int) -> tuple[float, torch.Generator]:
 
 _ACCEPT_WRONG: tuple[tuple[Callable[[torch.Tensor, torch.Tensor, int, float], bool], str, str], ...] = (
     (lambda p, q, t, u: u < float(q[t] / p[t]), "accepted with probability q/p",
-     "the target decides: the guess is kept with probability min(1, p(x) / q(x))"),
+     "the ratio is upside down: a guess the target likes more than the draft did should be kept more often"),
     (lambda p, q, t, u: bool(p[t] >= q[t]), "u not used",
      "a guess the target finds less likely than the draft did is still kept sometimes: with probability p/q"),
     (lambda p, q, t, u: u < float(p[t]), "q not used",

@@ -153,6 +153,6 @@ def check_block_slot(fn: Any) -> CheckResult:
             return failed(name, label, f"expected slot {want}, got {got}{what}", hint)
     problem, summary = _run_check(fn)
     if problem is not None:
-        return failed(name, None, problem, "the engine's attention reads token t at "
-                      "table[t // block_size] * block_size + t % block_size")
+        return failed(name, None, problem, "the slots must hold for every position of every table, long tables and "
+                      "tables out of order included")
     return passed(name, f"{len(_CASES)} cases; {summary}")
