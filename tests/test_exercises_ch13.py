@@ -34,6 +34,16 @@ def test_block_slot_names_each_wrong_answer(body, fragments):
         assert fragment in result.message, result.message
 
 
+def test_block_slot_right_on_small_tables_but_wrong_in_the_engine_is_caught_by_the_gathered_keys():
+    sly = notebook_function(_SLOT.format(body="position if len(table) == 4 and block_size == 4 else "
+                                              "table[position // block_size] * block_size + position % block_size"))
+    result = exercises.check_block_slot(sly)
+    assert not result.passed, result.message
+    for fragment in ["the engine after 9 steps, request 2 (table [5, 4, 3, 2]", "are not the keys of its tokens",
+                     "(the engine reads slots [20, 21, 22, 23, 16"]:
+        assert fragment in result.message, result.message
+
+
 _ADMIT = '''
 def admit_requests(free_blocks, waiting, running, max_batch, block_size):
     admitted = []
