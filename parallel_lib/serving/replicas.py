@@ -26,9 +26,10 @@ directly, with no message per request and no rank to start, which is what the ch
 show the routing and the token identity. Replicas on ranks (chapter 09's ``dp`` strategy
 partitions the requests over ranks) would add, per request, a message to the rank and, per step,
 the replicas' loads back to the router, for the same tokens. In one process the replicas step one
-after another: on a GPU per replica their kernels overlap (a step launches its work and waits only
-for its logits), on one CPU they share the cores and N replicas serve no faster than one engine
-with N times the batch.
+after another, and a step waits for its logits before the next replica's starts: N replicas do the
+work of one engine with N times the batch, in N times as many forward passes. Their throughput
+gain needs them to run at once, a replica per GPU driven by its own rank (or thread), which this
+router's policy carries over to unchanged.
 """
 
 from __future__ import annotations

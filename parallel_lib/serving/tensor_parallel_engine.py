@@ -26,7 +26,8 @@ tokens; so before each forward pass the ranks all-gather a digest of the step's 
 their spans, last tokens, block tables, admissions, preemptions) and refuse to run, on every
 rank and naming the ranks that differ, when they disagree. It costs one all-gather of ``tp``
 integers per step, beside the ``2 · n_layer`` all-reduces of the pass; it waits at most
-``timeout`` seconds (a rank that stopped stepping is named in the TimeoutError).
+``timeout`` seconds: when a rank stopped stepping (it thought it was done), the others' TimeoutError
+says which rank waited for which step's plan.
 
 :func:`serve_tensor_parallel` launches ``tp`` ranks (gloo on a CPU, NCCL with a GPU per rank)
 and returns each rank's :class:`TPServeReport`: its results, pool and weight bytes (storage
@@ -60,6 +61,8 @@ from parallel_lib.tensor_parallel.split import check_divisible
 
 __all__ = ["plan_digest", "TensorParallelServingEngine", "TPServeReport", "ENGINE_SETTINGS", "check_settings",
            "tp_serving_worker", "serve_tensor_parallel"]
+
+_DEVICE_OF_BACKEND = {"nccl": "cuda", "gloo": "cpu"}  # the collective guard's rule (parallel_lib.runtime.guard)
 
 # what a setting of serve_tensor_parallel may hold: ServingEngine's arguments
 ENGINE_SETTINGS = ("num_blocks", "block_size", "max_batch", "prefix_caching", "max_step_tokens")
@@ -95,7 +98,8 @@ class TensorParallelServingEngine(ServingEngine):
 
     Args:
         model: the dense one GPT-2 or a Hugging Face ``GPT2LMHeadModel`` (copied and split, never changed).
-        mesh_or_group: a ``RankMesh`` (its ``"tp"`` axis) or the tensor-parallel process group.
+        mesh_or_group: a ``RankMesh`` (its ``"tp"`` axis) or the tensor-parallel process group (None: the
+            default group; without ``torch.distributed`` initialised, one rank: the single engine).
         num_blocks, block_size, max_batch, prefix_caching, max_step_tokens: as
             :class:`~parallel_lib.serving.engine.ServingEngine` (the pool's blocks; each holds this
             rank's heads only).
@@ -106,7 +110,8 @@ class TensorParallelServingEngine(ServingEngine):
     Raises:
         TypeError: ``model`` is neither GPT-2.
         ValueError: ``model`` is already split; the heads or MLP width not divisible by the group's
-            size; a bad count or ``timeout`` (as ServingEngine).
+            size; a ``device`` the group's backend cannot move (a CPU under NCCL); a bad count or
+            ``timeout`` (as ServingEngine).
     """
 
     def __init__(self, model: Any, mesh_or_group: Any, num_blocks: int, block_size: int = 16, max_batch: int = 8,
@@ -115,14 +120,19 @@ class TensorParallelServingEngine(ServingEngine):
         self.timeout = positive_number("timeout", timeout)
         self.group = tp_group_of(mesh_or_group)
         self.tp, self.rank = R.group_size(self.group), R.group_rank(self.group)
+        device = rank_device() if device is None else torch.device(device)
+        backend = dist.get_backend(self.group) if self.tp > 1 else None
+        if _DEVICE_OF_BACKEND.get(backend, device.type) != device.type:  # NCCL moves CUDA tensors, gloo CPU ones
+            raise ValueError(f"device={device} cannot serve over the group's {backend} backend, which moves "
+                             f"{_DEVICE_OF_BACKEND[backend]} tensors; pass device=None (the rank's own device)")
         shard = tensor_parallelize(model, self.group, vocab_parallel=False)  # a copy; the head stays whole
-        shard = shard.to(rank_device() if device is None else torch.device(device))
+        shard = shard.to(device)
         super().__init__(shard, num_blocks, block_size, max_batch, prefix_caching, max_step_tokens)
         self.digests: list[int] = []
         schedule = self.scheduler.schedule
 
-        def agreed() -> Scheduled:  # the scheduler's own plan, checked against every rank's before the pass
-            plan = schedule()
+        def agreed(*args: Any, **kwargs: Any) -> Scheduled:  # the scheduler's plan, checked before the pass
+            plan = schedule(*args, **kwargs)
             self._agree(plan)
             return plan
 
@@ -137,7 +147,7 @@ class TensorParallelServingEngine(ServingEngine):
             every = [torch.empty_like(mine) for _ in range(self.tp)]
             wait_for(dist.all_gather(every, mine, group=self.group, async_op=True), self.timeout,
                      f"tensor-parallel rank {self.rank}: the plan of step {step} from the other ranks")
-            digests = [int(t.item()) for t in every]
+            digests = torch.cat(every).tolist()
             differ = [r for r, d in enumerate(digests) if d != digests[0]]
             if differ:
                 raise RuntimeError(
