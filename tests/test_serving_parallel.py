@@ -8,6 +8,8 @@ the heads one engine's pool holds at the same slots; and replicas behind a route
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -145,9 +147,9 @@ def test_bad_tp_arguments_are_refused_by_name_before_any_rank_starts(model):
 
 # --- data-parallel replicas -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["sequences", "blocks"])
-def test_replicas_behind_a_router_give_the_single_engines_tokens(model, expected, policy):
-    router = ReplicaRouter(model, 3, num_blocks=8, block_size=4, max_batch=2, policy=policy)
+@pytest.mark.parametrize("policy, threads", [("sequences", True), ("blocks", False)])
+def test_replicas_behind_a_router_give_the_single_engines_tokens(model, expected, policy, threads):
+    router = ReplicaRouter(model, 3, num_blocks=8, block_size=4, max_batch=2, policy=policy, threads=threads)
     sampled = [Request([5, 6, 7], 6, temperature=0.8, seed=11), Request([9, 1], 5, temperature=1.2, seed=3)]
     results = router.run(REQUESTS + sampled)
     assert [r.tokens for r in results[:len(REQUESTS)]] == expected
@@ -177,6 +179,17 @@ def test_the_router_sends_a_new_request_to_the_replica_whose_requests_finished(m
     assert all(r.ok and len(r.tokens) == n for r, n in zip(router.results.values(), [12, 2, 3, 3]))
 
 
+def test_a_replica_whose_threaded_step_hangs_is_named_after_the_timeout(model):
+    with ReplicaRouter(model, 2, num_blocks=8, block_size=4, threads=True, timeout=0.2) as router:
+        router.add(REQUESTS[0])
+        router.add(REQUESTS[1])
+        router.engines[1].step = lambda: time.sleep(2.0)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"replica 1: its step took more than timeout=0.2 s"):
+            router.step()
+        assert time.monotonic() - start < 1.5
+
+
 def test_bad_router_arguments_are_refused_by_name(model):
     with pytest.raises(ValueError, match="policy"):
         ReplicaRouter(model, 2, num_blocks=8, policy="random")
@@ -186,6 +199,8 @@ def test_bad_router_arguments_are_refused_by_name(model):
         ReplicaRouter(model, num_blocks=8, devices="cpu")
     with pytest.raises(ValueError, match="devices must name at least one device"):
         ReplicaRouter(model, num_blocks=8, devices=[])
+    with pytest.raises(ValueError, match="timeout"):
+        ReplicaRouter(model, num_blocks=8, timeout=0)
     router = ReplicaRouter(model, num_blocks=8, devices=["cpu", "cpu"])
     assert len(router) == 2 and router.engines[0].model is not router.engines[1].model
     with pytest.raises(ValueError, match="replica must be an index in 0..1"):

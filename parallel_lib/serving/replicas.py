@@ -25,21 +25,26 @@ all of them on the CPU, sharing the read-only weights): the router then sees eac
 directly, with no message per request and no rank to start, which is what the chapter needs to
 show the routing and the token identity. Replicas on ranks (chapter 09's ``dp`` strategy
 partitions the requests over ranks) would add, per request, a message to the rank and, per step,
-the replicas' loads back to the router, for the same tokens. In one process the replicas step one
-after another, and a step waits for its logits before the next replica's starts: N replicas do the
-work of one engine with N times the batch, in N times as many forward passes. Their throughput
-gain needs them to run at once, a replica per GPU driven by its own rank (or thread), which this
-router's policy carries over to unchanged.
+the replicas' loads back to the router, for the same tokens.
+
+**Stepping.** By default the replicas step one after another, and a step waits for its logits
+before the next replica's starts: N replicas then do the work of one engine with N times the batch,
+in N times as many forward passes. With ``threads=True`` each busy replica steps in a thread of its
+own and the router waits for all of them (at most ``timeout`` seconds): replicas on several GPUs
+then compute at once (PyTorch releases Python's lock while a kernel runs and while it waits for
+one), which is where data-parallel serving's throughput comes from. On one CPU the threads share
+its cores and gain little.
 """
 
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Optional, Sequence as Seq
 
 import torch
 
-from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.checks import check_choice, positive_int, positive_number
 from parallel_lib.inference.batch import Request, Result, check_requests
 from parallel_lib.models.hf import as_gpt2
 from parallel_lib.serving.block_manager import blocks_for
@@ -61,16 +66,20 @@ class ReplicaRouter:
         policy: ``"sequences"`` or ``"blocks"``: what "least loaded" counts.
         devices: a device per replica; each gets a copy of the model there (None: every replica on the
             model's device, sharing its weights).
+        threads: step the busy replicas at once, a thread each (see the module docstring).
+        timeout: seconds the router waits for a step of the replicas' threads.
 
     Raises:
         TypeError: ``devices`` is not a list.
-        ValueError: ``replicas`` below 1, an empty ``devices``, an unknown ``policy``, or a bad engine setting.
+        ValueError: ``replicas`` below 1, an empty ``devices``, an unknown ``policy``, a ``timeout`` not above 0,
+            or a bad engine setting.
     """
 
     def __init__(self, model: Any, replicas: int = 2, num_blocks: int = 64, block_size: int = 16, max_batch: int = 8,
                  prefix_caching: bool = False, max_step_tokens: Optional[int] = None, policy: str = "sequences",
-                 devices: Optional[Seq[Any]] = None) -> None:
+                 devices: Optional[Seq[Any]] = None, threads: bool = False, timeout: float = 60.0) -> None:
         self.policy = check_choice("policy", policy, POLICIES)
+        self.threads, self.timeout = bool(threads), positive_number("timeout", timeout)
         model = as_gpt2(model)
         if devices is None:
             models = [model] * positive_int("replicas", replicas)
@@ -83,6 +92,7 @@ class ReplicaRouter:
         self.engines = [ServingEngine(m, num_blocks, block_size, max_batch, prefix_caching, max_step_tokens)
                         for m in models]
         self.assignment: dict[int, int] = {}  # request index -> replica
+        self._pool: Optional[ThreadPoolExecutor] = None
         self.results: dict[int, Result] = {}
 
     def __len__(self) -> int:
@@ -134,8 +144,38 @@ class ReplicaRouter:
         return all(engine.idle() for engine in self.engines)
 
     def step(self) -> list[Optional[StepRecord]]:
-        """One step of every replica (None for an idle one)."""
-        return [None if engine.idle() else engine.step() for engine in self.engines]
+        """One step of every busy replica (None for an idle one); with ``threads``, all at once.
+
+        Raises:
+            TimeoutError: with ``threads``, a replica's step took longer than ``timeout`` (naming it).
+        """
+        busy = [k for k, engine in enumerate(self.engines) if not engine.idle()]
+        records: list[Optional[StepRecord]] = [None] * len(self.engines)
+        if not self.threads or len(busy) < 2:
+            for k in busy:
+                records[k] = self.engines[k].step()
+            return records
+        if self._pool is None:  # one thread per replica, kept until close()
+            self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="replica")
+        futures = {k: self._pool.submit(self.engines[k].step) for k in busy}
+        for k, future in futures.items():  # a timeout returns at once: nothing waits for the late thread
+            try:
+                records[k] = future.result(timeout=self.timeout)
+            except FutureTimeout:
+                raise TimeoutError(f"replica {k}: its step took more than timeout={self.timeout:g} s") from None
+        return records
+
+    def close(self) -> None:
+        """Let the replicas' threads go (idempotent; a later threaded step starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __enter__(self) -> ReplicaRouter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def run(self, requests: Seq[Request]) -> list[Result]:
         """Add ``requests`` (routed one by one, in order) and step every replica until all are done.
