@@ -81,6 +81,7 @@ def test_tp_ranks_give_hugging_face_tokens_with_chunked_prefill_and_with_preempt
             assert report.error is None
             assert [r.tokens for r in report.results[:-1]] == expected, (n, report.rank)
         assert ranks[n][0].results[-1].tokens == ranks[n][1].results[-1].tokens  # sampled: the same on every rank
+        assert {r.served_by for report in ranks[n] for r in report.results} == {"tp ranks 0..1 (cpu)"}
     assert all(report.chunked > 0 for report in ranks[0])        # long prompts were fed in chunks
     assert all(report.preemptions >= 2 for report in ranks[1])   # and the small pool preempted
 

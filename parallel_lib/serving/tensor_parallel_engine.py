@@ -138,6 +138,15 @@ class TensorParallelServingEngine(ServingEngine):
 
         self.scheduler.schedule = agreed
 
+    def add(self, request: Request, index: Optional[int] = None, arrival: Optional[float] = None) -> int:
+        """As :meth:`ServingEngine.add <parallel_lib.serving.engine.ServingEngine.add>`; the result names every
+        rank of the group as its server (``"tp ranks 0..1 (cpu)"``): each computed its heads."""
+        index = super().add(request, index, arrival)
+        result = self.results[index]
+        if result.served_by and self.tp > 1:  # "" for a request refused before it ran
+            result.served_by = f"tp ranks 0..{self.tp - 1} ({result.served_by})"
+        return index
+
     def _agree(self, plan: Scheduled) -> None:
         """All-gather this step's plan digest; raise on every rank when the ranks' plans differ."""
         digest = plan_digest(plan, {s.id: self.blocks.tables[s.id] for s in plan.sequences})
