@@ -17,11 +17,10 @@ import torch
 from _serving_requests import NEW, PROMPTS, hf_greedy
 from parallel_lib.inference import Request, ServeConfig
 from parallel_lib.models.hf import as_gpt2
-from parallel_lib.runtime import launch
 from parallel_lib.serving import ServingEngine
 from parallel_lib.serving.replicas import ReplicaRouter
 from parallel_lib.serving.tensor_parallel_engine import (TensorParallelServingEngine, plan_digest,
-                                                         serve_tensor_parallel, tp_serving_worker)
+                                                         serve_tensor_parallel)
 from parallel_lib.tensor_parallel import tensor_parallelize
 
 CONFIG = ServeConfig(initializer_range=0.3)
@@ -58,9 +57,8 @@ def expected(model):
 @pytest.fixture(scope="module")
 def ranks():
     """``ranks[setting][rank]``: every setting on tp = 2 gloo ranks, in one launch."""
-    per_rank = launch(tp_serving_worker, TP, CONFIG, REQUESTS + [SAMPLED], SETTINGS, 30.0, True, (2, 1),
-                      backend="gloo", timeout=120)
-    return [[reports[n] for reports in per_rank] for n in range(len(SETTINGS))]
+    return serve_tensor_parallel(REQUESTS + [SAMPLED], TP, CONFIG, SETTINGS, timeout=60.0, keep_pool=True,
+                                 skew=(2, 1), backend="gloo")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +152,8 @@ def test_bad_tp_arguments_are_refused_by_name_before_any_rank_starts(model):
         serve_tensor_parallel(REQUESTS, timeout=0, config=CONFIG)
     with pytest.raises(ValueError, match="tp"):
         serve_tensor_parallel(REQUESTS, tp=0, config=CONFIG)
+    with pytest.raises(ValueError, match=r"skew must be \(setting, rank\) with setting in 0..0 and rank in 0..1"):
+        serve_tensor_parallel(REQUESTS, config=CONFIG, skew=(0, 2))
     with pytest.raises(ValueError, match="already tensor-parallel"):
         TensorParallelServingEngine(tensor_parallelize(as_gpt2(model), None, vocab_parallel=False), None, 8)
     with pytest.raises(TypeError, match="model must be a Hugging Face GPT2LMHeadModel"):

@@ -265,7 +265,8 @@ def tp_serving_worker(rank: int, world_size: int, config: ServeConfig, requests:
 
 def serve_tensor_parallel(requests: Seq[Request], tp: int = 2, config: ServeConfig = ServeConfig(),
                           settings: Seq[Mapping[str, Any]] = ({"num_blocks": 64},), timeout: float = 60.0,
-                          keep_pool: bool = False, **launch_kwargs: Any) -> list[list[TPServeReport]]:
+                          keep_pool: bool = False, skew: Optional[tuple[int, int]] = None,
+                          **launch_kwargs: Any) -> list[list[TPServeReport]]:
     """Serve ``requests`` on ``tp`` tensor-parallel ranks, once per setting, in ONE launch.
 
     Args:
@@ -276,6 +277,8 @@ def serve_tensor_parallel(requests: Seq[Request], tp: int = 2, config: ServeConf
             ``max_step_tokens``), one engine run per setting.
         timeout: seconds for the launch, and for every collective wait inside it.
         keep_pool: bring back each rank's pool (see :class:`TPServeReport`).
+        skew: ``(setting, rank)``: that rank adds the first request once more in that setting, to show the
+            plan check refusing ranks that disagree: that setting's reports carry the refusal in ``error``.
         **launch_kwargs: ``backend``, ``threads_per_rank``, ``startup_timeout`` for the launcher.
 
     Returns:
@@ -283,9 +286,9 @@ def serve_tensor_parallel(requests: Seq[Request], tp: int = 2, config: ServeConf
 
     Raises:
         TypeError, ValueError: bad requests (:func:`~parallel_lib.inference.batch.check_requests`), settings
-            (:func:`check_settings`), ``tp`` (not a positive int, or not dividing ``n_head``) or ``timeout``;
-            nothing has started then.
-        RuntimeError: a rank's plan check refused a step (naming the ranks).
+            (:func:`check_settings`), ``tp`` (not a positive int, or not dividing ``n_head``), ``timeout`` or
+            ``skew`` (not a setting and a rank); nothing has started then.
+        RuntimeError: a rank's plan check refused a step of a setting not skewed (naming the ranks).
         RankError: a rank failed (naming it).
     """
     model = config.config()
@@ -294,11 +297,15 @@ def serve_tensor_parallel(requests: Seq[Request], tp: int = 2, config: ServeConf
     tp = check_int("tp", tp, minimum=1)
     check_divisible("n_head", model.n_head, tp, hint="choose a tensor-parallel size that divides the number of heads")
     positive_number("timeout", timeout)
+    if skew is not None and (not isinstance(skew, tuple) or len(skew) != 2 or skew[0] not in range(len(settings))
+                             or skew[1] not in range(tp)):
+        raise ValueError(f"skew must be (setting, rank) with setting in 0..{len(settings) - 1} and rank in "
+                         f"0..{tp - 1}, or None, got skew={skew!r}")
     per_rank = run(tp_serving_worker, None if is_torchrun() else tp, config, requests, settings, timeout,
-                   bool(keep_pool), timeout=timeout, **launch_kwargs)
+                   bool(keep_pool), skew, timeout=timeout, **launch_kwargs)
     reports = [[ranks[n] for ranks in per_rank] for n in range(len(settings))]
-    for per_setting in reports:
+    for n, per_setting in enumerate(reports):
         for report in per_setting:
-            if report.error is not None:
+            if report.error is not None and (skew is None or skew[0] != n):
                 raise RuntimeError(report.error)
     return reports
