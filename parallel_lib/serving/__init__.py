@@ -5,12 +5,12 @@
 - :mod:`.block_manager`: block tables, reference counts, the free list;
 - :mod:`.scheduler`: iteration-level batching with admission and preemption by recompute;
 - :mod:`.engine`: the one GPT-2 run over them, step by step, with a record of every step;
+- :mod:`.tensor_parallel_engine`: the engine on tp ranks, each with its heads of the weights and of the pool, and
+  :mod:`.replicas`: N replica engines behind one router (both imported from their modules);
 - :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
 - :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching;
 - :mod:`.layout`: one step's batch over the block tables, flat or padded, built with tensor operations;
 - :mod:`.speculative`: a draft model guesses k tokens, the target checks them in one pass;
-- :mod:`.tensor_parallel_engine`: the engine on tp ranks, each with its heads of the weights and of the pool;
-- :mod:`.replicas`: N replica engines behind one router, each request to the least-loaded one;
 - :mod:`.frontend`: one engine thread stepping, many client threads submitting, a queue of updates each;
 - :mod:`.completion_request`: what a completion request's body may hold, checked field by field;
 - :mod:`.http`: ``POST /v1/completions`` in OpenAI's shape (streamed as server-sent events), on 127.0.0.1;
@@ -27,9 +27,6 @@ from parallel_lib.serving.prefix_cache import PrefixCache, block_hashes
 from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
 from parallel_lib.serving.speculative import (SpeculativeDecoder, SpeculativeStats, draft_from_target, draw,
                                               probabilities, verify_token)
-from parallel_lib.serving.replicas import ReplicaRouter
-from parallel_lib.serving.tensor_parallel_engine import (TensorParallelServingEngine, TPServeReport, plan_digest,
-                                                         serve_tensor_parallel)
 from parallel_lib.serving.trace import (Arrival, TraceMetrics, poisson_trace, replay_continuous, replay_static,
                                        trace_metrics)
 from parallel_lib.serving.waste import KVWaste, kv_waste
@@ -38,5 +35,4 @@ __all__ = ["BlockManager", "blocks_for", "ServingEngine", "StepRecord", "PagedKV
            "PrefixCache", "block_hashes", "Scheduled", "Scheduler", "Sequence", "KVWaste", "kv_waste",
            "Arrival", "TraceMetrics", "poisson_trace", "replay_continuous", "replay_static", "trace_metrics",
            "StepLayout", "paged_forward", "step_layout", "SpeculativeDecoder", "SpeculativeStats", "draft_from_target",
-           "draw", "probabilities", "verify_token", "ReplicaRouter", "TensorParallelServingEngine", "TPServeReport",
-           "plan_digest", "serve_tensor_parallel"]
+           "draw", "probabilities", "verify_token"]
