@@ -66,7 +66,8 @@ def _labels(value: Any) -> set[str]:
 def _diagnose(bug: Bug, diagnosis: Any) -> tuple[bool, str, str]:
     """(right, what is wrong, hint) for one bug's diagnosis."""
     if not isinstance(diagnosis, Mapping) or not {"where", "breaks"} <= set(diagnosis):
-        return False, f"bug {bug.id}: the diagnosis must be dict(where=..., breaks=[...]), got {show(diagnosis, 80)}", ""
+        got = show(diagnosis, 80)
+        return False, f"bug {bug.id}: the diagnosis must be dict(where=..., breaks=[...]), got {got}", ""
     try:
         where = _where(diagnosis["where"])
     except TypeError as error:
