@@ -32,7 +32,7 @@ from parallel_lib.training import Plan, RunConfig, job_record, max_difference, r
 from parallel_lib.training.run import TrainResult, build_model, train
 
 __all__ = ["LAB_RUN", "LAB_LAYOUTS", "LOSS_RTOL", "PARAMETER_ATOL", "layout_label", "LayoutOutcome", "Hunt",
-           "hunt", "hunt_many", "hunt_worker"]
+           "judge_layout", "hunt", "hunt_many", "hunt_worker"]
 
 # the tiny GPT-2 cut to 2 blocks (a pipeline of 2 stages still has a block each), one AdamW step with a large eps:
 # the update then depends on the gradient's scale (tests/test_layouts.py says why)
@@ -137,7 +137,18 @@ def _reference(run: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference(run)
 
 
-def _outcome(plan: Plan, per_rank: Sequence[Union[TrainResult, str]], run: RunConfig) -> LayoutOutcome:
+def judge_layout(plan: Plan, per_rank: Sequence[Union[TrainResult, str]], run: RunConfig = LAB_RUN) -> LayoutOutcome:
+    """One layout's ranks against one process, as tests/test_layouts.py judges a layout.
+
+    Args:
+        plan: the layout.
+        per_rank: every rank's :class:`~parallel_lib.training.TrainResult`, or the error a rank raised (one line).
+        run: what the ranks trained (the reference trains the same).
+
+    Returns:
+        "crashed" if a rank raised; "equal" if the step's loss (relative :data:`LOSS_RTOL`) and every
+        parameter (absolute :data:`PARAMETER_ATOL`) equal one process's; "differs" otherwise.
+    """
     label = layout_label(plan)
     errors = [r for r in per_rank if isinstance(r, str)]
     if errors:
@@ -171,7 +182,7 @@ def hunt_many(bugs: Sequence[Optional[str]], layouts: Sequence[Plan] = LAB_LAYOU
                       threads_per_rank=1)
     out: dict[Optional[str], Hunt] = {}
     for b, bug in enumerate(bugs):
-        out[bug] = Hunt(bug, [_outcome(plan, [ranks[b][k] for ranks in per_rank], run)
+        out[bug] = Hunt(bug, [judge_layout(plan, [ranks[b][k] for ranks in per_rank], run)
                               for k, plan in enumerate(layouts)])
     return out
 
