@@ -72,6 +72,23 @@ def decode_fails_midway(rank, world_size, job):
     return serve_rank(rank, world_size, job)
 
 
+def prefill_stalls_midway(rank, world_size, job):
+    """The library's rank; the prefill rank stops answering after sending its first request (it hangs)."""
+    if rank == 0:
+        import parallel_lib.serving.disaggregated as disaggregated
+
+        send, calls = disaggregated.send_request, []
+
+        def stalling(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(60)
+            return send(*args, **kwargs)
+
+        disaggregated.send_request = stalling
+    return serve_rank(rank, world_size, job)
+
+
 @pytest.fixture(scope="module")
 def launched(model):
     job = _job(model)
@@ -152,6 +169,15 @@ def test_a_decode_rank_that_fails_midway_reaches_the_caller_by_name_without_a_ha
         launch(decode_fails_midway, 2, _job(model, timeout=20.0), backend="gloo", timeout=60, threads_per_rank=1)
     assert "injected failure while adopting a request" in excinfo.value.traceback_text
     assert time.monotonic() - start < 40  # the prefill rank, blocked sending, was stopped
+
+
+def test_a_stalled_prefill_rank_times_the_decode_rank_out_naming_both_ranks(model):
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 of 2 raised") as excinfo:
+        launch(prefill_stalls_midway, 2, _job(model, timeout=2.0), backend="gloo", timeout=60, threads_per_rank=1)
+    assert ("TimeoutError: rank 1 (decode) waiting for a request's header from rank 0: nothing within timeout=2 s"
+            in excinfo.value.traceback_text)
+    assert time.monotonic() - start < 40
 
 
 # --- in one process: the pieces --------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ from parallel_lib.serving.kv_transfer import (CONTINUE, DONE, FAILED, HEADER_FIE
 from parallel_lib.serving.scheduler import Sequence as Seq
 from parallel_lib.serving.trace import Arrival, TraceMetrics, replay_continuous, trace_metrics
 
+STARTUP_S = 60.0  # the longest any rank waits for the others to have built their engines (a loaded machine is slow)
+
 __all__ = ["DisaggregatedJob", "RankRecord", "DisaggregatedRun", "disaggregated_job", "serve_rank", "gather_run",
            "run_disaggregated", "Comparison", "compare", "compare_colocated"]
 
@@ -244,7 +246,7 @@ def _decode(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: dic
                 item = inbox.get(timeout=job.timeout + 5.0) if wait else inbox.get_nowait()
                 wait, got = False, got + 1
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"{who}: receiving a request failed: {item}") from item
+                    raise item  # the receiver's own error: it names this rank, the peer and what it waited for
                 header, blocks, _ = item
                 record.bytes += 8 * HEADER_FIELDS + (0 if blocks is None else
                                                      blocks.numel() * blocks.element_size() + header.state_bytes)
@@ -292,7 +294,8 @@ def serve_rank(rank: int, world_size: int, job: DisaggregatedJob) -> RankRecord:
     prefill, decode = range(job.prefill_ranks), range(job.prefill_ranks, world_size)
     groups = {(p, d): dist.new_group([p, d]) for p in prefill for d in decode}  # the same order on every rank
     engine = _engine(model, job)
-    wait_for(dist.barrier(async_op=True), job.timeout, f"{job.who(rank)} waiting for every rank to start")
+    wait_for(dist.barrier(async_op=True), max(job.timeout, STARTUP_S), f"{job.who(rank)} waiting for every rank to "
+             "start")
     origin = time.perf_counter()
     offset = engine.now() - (time.perf_counter() - origin)  # engine clock minus the run's clock
     with torch.no_grad():
