@@ -14,7 +14,8 @@ the cache between them. Here, on gloo ranks::
     ServingEngine, each request max_new_tokens=1     adopt: its own blocks, the prompt's keys and values
       one pass: the prompt, the first token            written there (block ids remapped)
     on finish: gather the blocks it used,            ServingEngine: continuous batching of decodes only
-      header, then blocks + generator state   ──>      (a preempted request is recomputed here)
+      post header, then blocks + generator    ──>      (a preempted request is recomputed here)
+      state, and go on (waited at the end)
 
 Request ``i`` goes to prefill rank ``i mod P`` and decode rank ``P + (i div P) mod D``; every rank
 holds the whole trace, so each knows how many requests to expect from whom. The messages are
@@ -57,7 +58,7 @@ from parallel_lib.runtime.waiting import wait_for
 from parallel_lib.serving.block_manager import blocks_for
 from parallel_lib.serving.engine import ServingEngine
 from parallel_lib.serving.goodput import Goodput, goodput
-from parallel_lib.serving.kv_transfer import (CONTINUE, DONE, FAILED, HEADER_FIELDS, Header, gather_blocks,
+from parallel_lib.serving.kv_transfer import (CONTINUE, DONE, FAILED, HEADER_FIELDS, Header, Posted, gather_blocks,
                                               recv_request, scatter_blocks, send_request)
 from parallel_lib.serving.scheduler import Sequence as Seq
 from parallel_lib.serving.trace import Arrival, TraceMetrics, replay_continuous, trace_metrics
@@ -170,6 +171,7 @@ def _prefill(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: di
              offset: float, origin: float) -> RankRecord:
     """Serve this rank's requests' prompts as they arrive; ship each to its decode rank as it finishes."""
     record, who = RankRecord(rank, "prefill"), job.who(rank)
+    outbox: list[Posted] = []  # sends in flight: this rank goes on with the next prompts meanwhile
 
     def ship(i: int, seq: Optional[Seq]) -> None:
         result, asked, d = engine.results[i], job.trace[i].request, job.decode_of(i)
@@ -186,7 +188,9 @@ def _prefill(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: di
                 record.tables[i] = table
                 if job.keep_kv:
                     record.kv[i] = blocks.cpu()
-        record.bytes += send_request(header, blocks, state, d, groups[rank, d], device, job.timeout, who)
+        posted = send_request(header, blocks, state, d, groups[rank, d], device, who)
+        record.bytes += posted.bytes
+        outbox.append(posted)
 
     engine.on_finish = lambda seq: ship(seq.id, seq)
     mine = [i for i in range(len(job.trace)) if job.prefill_of(i) == rank]
@@ -203,6 +207,8 @@ def _prefill(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: di
                 ship(i, None)
         if engine.step() is not None:
             record.steps += 1
+    for posted in outbox:
+        posted.wait(job.timeout)
     for i in mine:
         record.results[i] = _on_run_clock(engine.results[i], offset)
     return record

@@ -22,8 +22,10 @@ match in the order they were posted):
 2. if it continues on the decode rank: the blocks and the request's generator state (its sampled
    tokens then follow the same stream as on one engine: chapter 09's rule).
 
-Every tensor is on the device of the group's backend, every wait is bounded and its failure names
-the rank and the request (:func:`~parallel_lib.runtime.waiting.wait_for`).
+The sender posts both exchanges and goes on (a prefill rank does not wait for a decode rank to take
+its blocks); it waits for them later (:meth:`Posted.wait`). Every tensor is on the device of the
+group's backend, every wait is bounded and its failure names the rank and the request
+(:func:`~parallel_lib.runtime.waiting.wait_for`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch.distributed as dist
 from parallel_lib.runtime.waiting import wait_for
 from parallel_lib.serving.paged_kv_cache import PagedKVCache
 
-__all__ = ["CONTINUE", "DONE", "FAILED", "HEADER_FIELDS", "Header", "gather_blocks", "scatter_blocks", "send_request",
-           "recv_request"]
+__all__ = ["CONTINUE", "DONE", "FAILED", "HEADER_FIELDS", "Header", "gather_blocks", "scatter_blocks", "Posted",
+           "send_request", "recv_request"]
 
 CONTINUE, DONE, FAILED = 0, 1, 2  # decode on / the first token was the last / the prefill failed (its result says)
 HEADER_FIELDS = 7
@@ -120,9 +122,36 @@ def scatter_blocks(cache: PagedKVCache, table: Sequence[int], blocks: torch.Tens
         cache.v[i].index_copy_(0, rows, blocks[j, 1].reshape(-1, cache.heads, cache.head_dim))
 
 
+@dataclass
+class Posted:
+    """One request's sends, posted and not yet waited for (the sender goes on with its next prompt meanwhile).
+
+    Attributes:
+        works: each exchange's works with what they are, for the error of a wait that runs out.
+        tensors: what they send (kept alive until they are done).
+        bytes: bytes sent, headers included.
+    """
+
+    works: list[tuple[Any, str]]
+    tensors: list[torch.Tensor]
+    bytes: int
+
+    def wait(self, timeout: float) -> None:
+        """Wait for every send, each at most ``timeout`` seconds (once: gloo hangs on a second wait).
+
+        Raises:
+            TimeoutError, RuntimeError: the peer did not receive in time, or failed (naming both ranks and the
+                request).
+        """
+        works, self.works, self.tensors = self.works, [], []
+        for work, what in works:
+            wait_for(work, timeout, what)
+
+
 def send_request(header: Header, blocks: Optional[torch.Tensor], state: Optional[torch.Tensor], peer: int,
-                 group: Any, device: torch.device, timeout: float, who: str) -> int:
-    """Send one request's header, then (status :data:`CONTINUE`) its blocks and generator state; returns bytes sent.
+                 group: Any, device: torch.device, who: str) -> Posted:
+    """Post one request's header, then (status :data:`CONTINUE`) its blocks and generator state; wait with
+    :meth:`Posted.wait`.
 
     Args:
         header: the request's header.
@@ -131,23 +160,19 @@ def send_request(header: Header, blocks: Optional[torch.Tensor], state: Optional
         peer: the decode rank (global rank).
         group: the process group of this prefill rank and ``peer``.
         device: the device of the group's backend (tensors go there first).
-        timeout: seconds each exchange may wait.
         who: this rank, as errors name it ("rank 0 (prefill)").
-
-    Raises:
-        TimeoutError, RuntimeError: the peer did not receive in time, or failed (naming both ranks and the request).
     """
-    head = header.tensor(device)
     what = f"{who} sending request {header.index}'s"
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, head, peer, group)]):
-        wait_for(work, timeout, f"{what} header to rank {peer}")
-    sent = head.numel() * head.element_size()
-    if header.status != CONTINUE:
-        return sent
-    tensors = [blocks.to(device).contiguous(), state.to(device).contiguous()]
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t in tensors]):
-        wait_for(work, timeout, f"{what} {header.blocks} KV blocks to rank {peer}")
-    return sent + sum(t.numel() * t.element_size() for t in tensors)
+    head = header.tensor(device)
+    works = [(w, f"{what} header to rank {peer}")
+             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, head, peer, group)])]
+    tensors = [head]
+    if header.status == CONTINUE:
+        payload = [blocks.to(device).contiguous(), state.to(device).contiguous()]
+        works += [(w, f"{what} {header.blocks} KV blocks to rank {peer}")
+                  for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t in payload])]
+        tensors += payload
+    return Posted(works, tensors, sum(t.numel() * t.element_size() for t in tensors))
 
 
 def recv_request(peer: int, group: Any, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
