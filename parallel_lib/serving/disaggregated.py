@@ -239,9 +239,10 @@ def _decode(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: dic
     counts = {p: sum(1 for i in range(len(job.trace)) if job.prefill_of(i) == p and job.decode_of(i) == rank)
               for p in range(job.prefill_ranks)}
     inbox: queue.Queue = queue.Queue()
+    limit = job.timeout + job.trace[-1].time  # a request may come as late as the trace's last arrival
     for p, count in counts.items():
         if count:
-            args = (groups[p, rank], block_shape, dtype, device, job.timeout, who)
+            args = (groups[p, rank], block_shape, dtype, device, limit, who)
             threading.Thread(target=_receive, args=(p, count, inbox, args), name=f"receive from rank {p}",
                              daemon=True).start()
     expected, got, pending = sum(counts.values()), 0, deque()
@@ -249,7 +250,7 @@ def _decode(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: dic
         wait = engine.idle() and not pending  # nothing to compute: wait for the next request
         try:
             while got < expected:
-                item = inbox.get(timeout=job.timeout + 5.0) if wait else inbox.get_nowait()
+                item = inbox.get(timeout=limit + 5.0) if wait else inbox.get_nowait()
                 wait, got = False, got + 1
                 if isinstance(item, BaseException):
                     raise item  # the receiver's own error: it names this rank, the peer and what it waited for
@@ -260,7 +261,7 @@ def _decode(rank: int, job: DisaggregatedJob, engine: ServingEngine, groups: dic
                     pending.append(item)
         except queue.Empty:
             if wait:
-                raise TimeoutError(f"{who}: no request from the prefill rank(s) within {job.timeout + 5:g} s; "
+                raise TimeoutError(f"{who}: no request from the prefill rank(s) within {limit + 5:g} s; "
                                    f"{expected - got} of {expected} still to come") from None
         while pending:
             header, blocks, state = pending[0]
@@ -355,7 +356,8 @@ def run_disaggregated(model: Any, trace: Sequence[Arrival], *, prefill_ranks: in
         trace: arrivals (:func:`~parallel_lib.serving.trace.poisson_trace`), replayed in real time.
         prefill_ranks, decode_ranks: ranks of each role.
         num_blocks, block_size, max_batch: each rank's engine (:class:`~parallel_lib.serving.engine.ServingEngine`).
-        timeout: seconds any wait may take (and the launch's limit, plus the trace's span).
+        timeout: seconds any wait may take; a decode rank's wait for its next request and the launch's limit
+            add the trace's span (a request may arrive as late as the last arrival).
         keep_kv: keep the blocks each request's prompt had on both sides (:attr:`RankRecord.kv`).
         backend: the launch's ("auto": NCCL with a GPU per rank, else gloo).
         threads_per_rank: torch threads in each rank.
