@@ -157,6 +157,8 @@ def test_the_comparison_sets_ttft_tpot_and_goodput_beside_a_colocated_engine(mod
     assert c.same_tokens and c.bytes_sent == run.ranks[0].bytes
     assert c.disaggregated.tokens == c.colocated.tokens == sum(len(r.tokens) for r in colocated)
     assert c.colocated_goodput.met == c.disaggregated_goodput.met == len(REQUESTS) - 1  # all but the refused one
+    gaps = sorted(r.token_times[1] - r.token_times[0] for r in run.results if len(r.tokens) > 1)
+    assert c.disaggregated_handoff == gaps[len(gaps) // 2] > 0                          # 7 requests: the 4th
     with pytest.raises(ValueError, match="colocated must hold a result per request"):
         compare(colocated[:3], run, 1.0, 1.0)
 

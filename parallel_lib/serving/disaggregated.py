@@ -39,8 +39,10 @@ prompt), not what it costs on real hardware (moving the cache between GPUs over 
 
 from __future__ import annotations
 
+import copy
 import math
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -124,7 +126,9 @@ def disaggregated_job(model: Any, trace: Sequence[Arrival], *, prefill_ranks: in
     positive_int("prefill_ranks", prefill_ranks), positive_int("decode_ranks", decode_ranks)
     positive_int("num_blocks", num_blocks), positive_int("block_size", block_size)
     positive_int("max_batch", max_batch), positive_number("timeout", timeout)
-    gpt2 = as_gpt2(model).cpu().eval()
+    gpt2 = as_gpt2(model)
+    if next(gpt2.parameters()).device.type != "cpu":  # the ranks get a CPU copy; the caller's model stays put
+        gpt2 = copy.deepcopy(gpt2).cpu()
     n_positions = gpt2.config.n_positions
     for i, arrival in enumerate(trace):
         request = arrival.request
@@ -380,14 +384,32 @@ def run_disaggregated(model: Any, trace: Sequence[Arrival], *, prefill_ranks: in
 
 @dataclass(frozen=True)
 class Comparison:
-    """One trace served co-located (one engine does both phases) and disaggregated, side by side."""
+    """One trace served co-located (one engine does both phases) and disaggregated, side by side.
+
+    Attributes:
+        colocated, disaggregated: throughput, TTFT, TPOT, latency of each.
+        colocated_goodput, disaggregated_goodput: requests meeting the targets, per second.
+        colocated_handoff, disaggregated_handoff: median seconds from the first token to the second (disaggregated:
+            the first comes from the prefill rank, the second from the decode rank once the blocks arrived and it
+            took the request); part of TPOT.
+        same_tokens: every request got the same tokens both ways.
+        bytes_sent: by the prefill ranks.
+    """
 
     colocated: TraceMetrics
     disaggregated: TraceMetrics
     colocated_goodput: Goodput
     disaggregated_goodput: Goodput
+    colocated_handoff: float
+    disaggregated_handoff: float
     same_tokens: bool
     bytes_sent: int
+
+
+def _handoff(results: Sequence[Result]) -> float:
+    """Median seconds between the first and the second token (NaN when no request got two)."""
+    gaps = [r.token_times[1] - r.token_times[0] for r in results if r.ok and len(r.token_times) > 1]
+    return statistics.median(gaps) if gaps else math.nan
 
 
 def compare(colocated: Sequence[Result], run: DisaggregatedRun, ttft_slo: float, tpot_slo: float) -> Comparison:
@@ -407,7 +429,8 @@ def compare(colocated: Sequence[Result], run: DisaggregatedRun, ttft_slo: float,
                          f"got {len(colocated)}")
     same = [r.tokens for r in colocated] == [r.tokens for r in run.results]
     return Comparison(trace_metrics(colocated), trace_metrics(run.results), goodput(colocated, ttft_slo, tpot_slo),
-                      goodput(run.results, ttft_slo, tpot_slo), same, run.bytes_sent)
+                      goodput(run.results, ttft_slo, tpot_slo), _handoff(colocated), _handoff(run.results), same,
+                      run.bytes_sent)
 
 
 def compare_colocated(model: Any, trace: Sequence[Arrival], ttft_slo: float, tpot_slo: float, *,
