@@ -34,7 +34,11 @@ reads straight into the pool).
 (the ranks start it together, after a barrier); :func:`compare_colocated` serves the same trace with
 one co-located engine too, and sets TTFT, TPOT and goodput (:mod:`.goodput`) side by side. On one CPU
 machine the ranks share its cores, so the split shows its effect on latency (no decode waits for a
-prompt), not what it costs on real hardware (moving the cache between GPUs over a network).
+prompt), not what it costs on real hardware (moving the cache between GPUs over a network). What the
+split adds is the *hand-off*: between a request's first token (prefill rank) and its second (decode
+rank) lie the transfer, two wake-ups of the receiver thread and the decode rank's next step boundary
+(:attr:`Comparison.disaggregated_handoff`); on an idle machine a few milliseconds, on a loaded one,
+where every wake-up waits for a core, it can dominate TPOT.
 """
 
 from __future__ import annotations
@@ -227,6 +231,9 @@ def _on_run_clock(result: Result, offset: float) -> Result:
 def _receive(peer: int, count: int, inbox: queue.Queue, args: tuple) -> None:
     """A receiver thread: ``count`` requests from prefill rank ``peer``, each put in ``inbox`` (or the error)."""
     try:
+        device = args[3]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a thread's current GPU is its own: the rank's, as in the main thread
         for _ in range(count):
             inbox.put(recv_request(peer, *args))
     except BaseException as error:  # noqa: BLE001 - handed to the decode loop, which raises it
