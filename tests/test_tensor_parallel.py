@@ -26,7 +26,7 @@ from parallel_lib.tensor_parallel import (
     tensor_parallelize,
 )
 from parallel_lib.tensor_parallel.cost import shard_parameters
-from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, mlp_check
+from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, many, mlp_check
 from parallel_lib.tensor_parallel.vocab import vocab_range
 from parallel_lib.training import Plan, RunConfig, max_difference, reference, tp_layout, train, train_many
 
@@ -86,18 +86,26 @@ def test_column_then_row_mlp_equals_dense(tp, sequence_parallel):
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True), (4, False), (4, True)])
 def test_gpt2_logits_loss_and_gradients_equal_dense(tp, sequence_parallel):
+    """Also with every block recomputed (one launch runs both): the same gradients, and the counter sees
+    the recomputed forward's collectives again, as ``step_collectives(recompute=True)`` counts (#21 error 6)."""
     config = TPConfig(sequence_parallel=sequence_parallel)
-    results = launch(gpt2_check, tp, config, backend="gloo", timeout=120)
+    per_rank = launch(many, tp, [(gpt2_check, (config,)), (gpt2_check, (config, False, True))], backend="gloo",
+                      timeout=120)
     shape = GPTShape.of(gpt2_config("tiny", config.vocab_size))
-    for r in results:
-        assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
-        # a whole step without the SP gradient all-reduce (made after the counted block)
-        expected = step_collectives(shape, config.batch_size, config.seq_len, tp, sequence_parallel)
-        if sequence_parallel:
-            calls, nbytes = expected["all_reduce"]
-            sync = (shape.n_layer * 6 + 2 + shape.n_positions) * shape.n_embd * 4
-            expected["all_reduce"] = (calls - 1, nbytes - sync)
-        assert r["step"] == expected
+    for plain, recomputed in per_rank:
+        for recompute, r in ((False, plain), (True, recomputed)):
+            assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
+            # a whole step without the SP gradient all-reduce (made after the counted block)
+            expected = step_collectives(shape, config.batch_size, config.seq_len, tp, sequence_parallel,
+                                        recompute=recompute)
+            if sequence_parallel:
+                calls, nbytes = expected["all_reduce"]
+                sync = (shape.n_layer * 6 + 2 + shape.n_positions) * shape.n_embd * 4
+                expected["all_reduce"] = (calls - 1, nbytes - sync)
+            assert r["step"] == expected
+        if not sequence_parallel:  # Megatron's count: 6 all-reduces per block instead of 4, + embedding, head, loss
+            assert recomputed["step"]["all_reduce"][0] == 6 * shape.n_layer + 2 + 3
+            assert plain["step"]["all_reduce"][0] == 4 * shape.n_layer + 2 + 3
 
 
 def test_naive_c_attn_split_is_wrong():

@@ -13,8 +13,9 @@ Every number comes from code a chapter verified, not from a new formula:
   sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
   (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
 - time: compute from the calibration (:mod:`parallel_lib.planner.calibrate`) and
-  :func:`~parallel_lib.tensor_parallel.cost.training_flops`; tensor-parallel collectives from
-  :func:`~parallel_lib.tensor_parallel.cost.step_collectives`; the pipeline replayed by
+  :func:`~parallel_lib.tensor_parallel.cost.training_flops` (recomputation: the blocks' forward once
+  more); tensor-parallel collectives from :func:`~parallel_lib.tensor_parallel.cost.step_collectives`
+  (recomputation: the recomputed forward's all-reduces too, 6 per block instead of 4); the pipeline replayed by
   :func:`parallel_lib.pipeline_parallel.simulator.simulate_schedule` with those costs and the send time;
   then the data-parallel collectives of the ZeRO stage (:func:`dp_collectives`: ZeRO-2 reduce-scatters
   every micro-batch's gradients, ZeRO-3 gathers the parameters twice per micro-batch) and the
@@ -50,6 +51,7 @@ from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import AlphaBeta, Calibration
+from parallel_lib.planner.hardware import group_span
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
 
 __all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "cp_seconds", "price",
@@ -306,8 +308,10 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     else:  # the cost of one rank alone, slowed as the calibration's matmul rate slows with more ranks per core
         slow = calibration.ranks[min(calibration.ranks)].flops_per_second / calibration.at(world).flops_per_second
         step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow)
-    tp_span = L.tp
-    cp_link = calibration.link("send", world, L.tp * L.cp)
+    # which link each group crosses: the runtime's mesh order, tp fastest (hardware.group_span)
+    sizes = dict(tp=L.tp, cp=L.cp, pp=L.pp, dp=L.dp)
+    tp_span, pp_span = group_span("tp", sizes), group_span("pp", sizes)
+    cp_link = calibration.link("send", world, group_span("cp", sizes))
     costs, tp_total, cp_total = [], 0.0, 0.0
     for s, b in enumerate(blocks):
         head = s == L.pp - 1
@@ -317,7 +321,9 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
             flops += _flops(shape, b, mb, full_seq, False) / L.tp / L.cp / 3
         units = b + (1 if s == 0 else 0) * 0.5 + (0.5 if head else 0)
         seconds = (step_cost.fixed * units + flops / step_cost.flops_per_second)
-        calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width)
+        # recomputed blocks issue their forward's collectives again (2 all-reduces per block; SP: its gathers)
+        calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width,
+                                 recompute=L.recompute)
         tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
         tp_total = max(tp_total, tp_seconds)
         cp_block = b * cp_seconds(shape, mb, full_seq, L.tp, L.cp, step_cost.flops_per_second, cp_link, width)
@@ -326,7 +332,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     if L.pp == 1:
         compute, bubble = L.micro_batches * costs[0], 0.0
     else:
-        hop = calibration.link("send", world, L.tp * L.pp).seconds("send", mb * seq_len * shape.n_embd * width, 2)
+        hop = calibration.link("send", world, pp_span).seconds("send", mb * seq_len * shape.n_embd * width, 2)
         unit = max(costs)  # the simulation in units of the busiest stage, cached: many layouts share one
         ratios = (1.0,) if L.virtual > 1 else tuple(round(c / unit, 2) for c in costs)
         step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
@@ -335,12 +341,12 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     cp_comm = cp_total * L.micro_batches
 
     # ZeRO's (or plain DP's) collectives over the dp ranks, every micro-batch's included; the optimizer step
-    p, dp_span = params[busiest], L.tp * L.pp * L.dp * L.cp
+    p, dp_span = params[busiest], group_span("dp", sizes)  # the dp · cp replicas: the whole world
     dp_calls = dp_collectives(L, p, max(blocks))
     dp_comm = _collective_seconds(dp_calls, calibration, world, L.replicas, dp_span)
     if L.pp > 1 and L.virtual == 1 and shape.tied_head:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width
-        dp_comm += calibration.link("all_reduce", world, dp_span).seconds("all_reduce", tied, 2)
+        dp_comm += calibration.link("all_reduce", world, pp_span).seconds("all_reduce", tied, 2)
     total_params = sum(rank_parameters(shape, 1, 1))
     share = p / total_params / (L.replicas if L.zero >= 1 else 1)
     optimizer = step_cost.optimizer * share

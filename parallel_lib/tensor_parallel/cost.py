@@ -125,7 +125,7 @@ def layer_collectives(batch: int, seq: int, hidden: int, sequence_parallel: bool
 
 
 def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
-                     bytes_per_element: int = 4) -> Collectives:
+                     bytes_per_element: int = 4, recompute: bool = False) -> Collectives:
     """A training step's collectives on one rank of a tensor-parallel GPT-2 (no data parallelism).
 
     Blocks (:func:`layer_collectives`), plus the vocabulary-parallel embedding (one ``g``
@@ -133,6 +133,12 @@ def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_pa
     input (``f`` backward, or an all-gather forward and reduce-scatter backward), the
     loss's three all-reduces of ``b·s`` values (max, target logit, sum of exp), and under
     SP one all-reduce of the gradients of the sequence-parallel parameters.
+
+    ``recompute``: full activation recomputation of every block (each keeps only its input and runs
+    its forward again in backward, ``torch.utils.checkpoint``): the recomputed forward issues the
+    blocks' forward collectives once more, 2 all-reduces per block (or, under SP, 2 all-gathers and
+    2 reduce-scatters), so a block's step has 6 all-reduces instead of 4, as under Megatron's full
+    recomputation. The embedding, the head and the loss are not recomputed.
     """
     for name, value in dict(batch=batch, seq=seq, tp=tp).items():
         positive_int(name, value)
@@ -141,7 +147,7 @@ def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_pa
     size, e = batch * seq * shape.n_embd * bytes_per_element, bytes_per_element
     total: Collectives = {}
     per_layer = layer_collectives(batch, seq, shape.n_embd, sequence_parallel, bytes_per_element)
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward") + (("forward",) if recompute else ()):
         for kind, (calls, nbytes) in per_layer[phase].items():
             _add(total, kind, shape.n_layer * calls, shape.n_layer * nbytes)
     if sequence_parallel:

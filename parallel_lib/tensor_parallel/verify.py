@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import build_gpt2
@@ -64,12 +65,15 @@ def mlp_check(rank: int, world_size: int, sequence_parallel: bool = False, hidde
                 row_bias_grad=diff(row_bias_grad, dense_row.bias.grad), collectives=counter.by_kind())
 
 
-def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = False) -> dict[str, Any]:
+def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = False,
+               recompute: bool = False) -> dict[str, Any]:
     """Tensor-parallel GPT-2 against Hugging Face's dense model on one padded batch.
 
     Returns the largest differences of the logits (on tokens that are not padding), the
     loss and every parameter's gradient (gathered into the dense layout), and the step's
-    counted collectives (forward and backward).
+    counted collectives (forward and backward). With ``recompute`` every block runs under
+    ``torch.utils.checkpoint`` (keeps its input, runs its forward again in backward), so the
+    counted step holds the recomputed forward's collectives too.
     """
     dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())
     model = tensor_parallelize(dense, None, config.sequence_parallel, naive_qkv=naive_qkv)
@@ -80,11 +84,15 @@ def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = F
     loss = (ce * weights.flatten()).sum() / weights.sum()
     loss.backward()
 
+    blocks = model.transformer.h
+    if recompute:  # the same blocks (same parameters), each behind a checkpoint
+        model.transformer.h = nn.ModuleList(_Recomputed(b) for b in blocks)
     with count_collectives() as counter:
         mine = model(ids, mask)
         forward_calls = counter.by_kind()
         my_loss = model.loss(mine, labels, weights)
         my_loss.backward()
+    model.transformer.h = blocks
     sync_sequence_parallel_grads(model)
     gathered_logits = R._all_gather(mine.detach(), -1, None)
     for p in model.parameters():  # carry the gradients through gather_dense by swapping them in
@@ -94,6 +102,23 @@ def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = F
     grad_diff = max(diff(g, p.grad) for (name, g), p in zip(grads.named_parameters(), dense.parameters()))
     return dict(logits=diff(gathered_logits[keep], logits[keep]), loss=diff(my_loss, loss),
                 grads=grad_diff, forward=forward_calls, step=counter.by_kind())
+
+
+class _Recomputed(nn.Module):
+    """A block that keeps only its input and runs its whole forward again in backward (full recomputation).
+
+    As Megatron's recomputation does, the whole forward: torch's non-reentrant checkpoint would stop
+    by default once it has what backward needs, before the MLP's closing all-reduce (one of the
+    block's two), so early stopping is turned off here.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self.block, x, allowed, cache, use_reentrant=False)
 
 
 def bad_input_check(rank: int, world_size: int) -> dict[str, str]:
