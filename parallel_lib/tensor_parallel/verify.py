@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from parallel_lib.common.activations import SavedTensors
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.models.attention import allowed_keys
@@ -25,7 +26,7 @@ from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 
-__all__ = ["mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "many", "diff"]
+__all__ = ["mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "block_saved_bytes", "many", "diff"]
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,6 +158,26 @@ def layer_trace(rank: int, world_size: int, sequence_parallel: bool = False, bat
         y = model.transformer.h[0](x, allowed_keys(seq))
         y.sum().backward()
     return trace
+
+
+def block_saved_bytes(rank: int, world_size: int, sequence_parallel: bool = False, dropout: float = 0.0,
+                      batch: int = 2, seq: int = 16) -> int:
+    """Bytes autograd saves for backward in one forward of one tensor-parallel GPT-2 block (the tensor census).
+
+    :class:`~parallel_lib.common.activations.SavedTensors` counts each storage once and leaves the
+    parameters out; the block's input is a leaf (not counted), the attention mask (``s²`` bools the
+    whole model shares) is. Under sequence parallelism the input is this rank's slice of the sequence.
+    """
+    model = tensor_parallelize(build_gpt2("tiny", vocab_size=64 * world_size, n_layer=1, resid_pdrop=dropout,
+                                          attn_pdrop=dropout, embd_pdrop=dropout), None, sequence_parallel)
+    model.train()
+    local_seq = seq // world_size if sequence_parallel else seq
+    x = torch.randn(batch, local_seq, model.config.n_embd, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    with SavedTensors(model) as saved:
+        y = model.transformer.h[0](x, allowed_keys(seq))
+    y.sum().backward()
+    return saved.nbytes
 
 
 def many(rank: int, world_size: int, calls: list[tuple[Any, tuple]]) -> list[Any]:
