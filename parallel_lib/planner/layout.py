@@ -204,7 +204,7 @@ class Priced:
     in_flight: float             # micro-batches' activations held at the peak (schedule's figure)
     compute: float               # forward + backward of every micro-batch, bubbles included
     tp_comm: float               # inside compute: the tensor-parallel collectives
-    dp_comm: float               # data-parallel collectives not hidden behind compute (exposed; all of them without overlap)
+    dp_comm: float               # data-parallel collectives not hidden behind compute (without overlap: all)
     optimizer: float
     bubble: float                # the simulator's (pipeline only)
     working_bytes: float = 0.0   # ZeRO-3: gathered parameters and their whole gradients while computing

@@ -155,8 +155,8 @@ def tensor_parallel_option(shape: ModelShape, seq_len: int, batch_size: int, gpu
                f"{gpus_per_node} GPUs of one node): {state / GiB:.1f} GiB of state + {acts / GiB:.2f} GiB of one "
                f"sequence's activations with sequence parallelism{' and recomputation' if recomputed else ''} "
                f"{'<=' if fits else '>'} {gpu_bytes / GiB:g} GiB",
-               f"{per_block} all-reduces of {per_allreduce / 1e9:.4f} GB per block and step, {tp_sent / 1e9:.3f} GB sent per "
-               "GPU: inside a node only (NVLink)",
+               f"{per_block} all-reduces of {per_allreduce / 1e9:.4f} GB per block and step, "
+               f"{tp_sent / 1e9:.3f} GB sent per GPU: inside a node only (NVLink)",
                f"{replicas} tensor-parallel group(s) as data-parallel replicas: {dp_sent / 1e9:.3f} GB of gradients "
                "sent per GPU")
     return Option("TP×DP", replicas, t, rows, state, acts, 0.0, dp_sent, tp_sent, seconds, fits, reasons,
