@@ -5,6 +5,8 @@
 - :mod:`.block_manager`: block tables, reference counts, the free list;
 - :mod:`.scheduler`: iteration-level batching with admission and preemption by recompute;
 - :mod:`.engine`: the one GPT-2 run over them, step by step, with a record of every step;
+- :mod:`.tensor_parallel_engine`: the engine on tp ranks, each with its heads of the weights and of the pool, and
+  :mod:`.replicas`: N replica engines behind one router (both imported from their modules);
 - :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
 - :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching;
 - :mod:`.layout`: one step's batch over the block tables, flat or padded, built with tensor operations;

@@ -104,7 +104,8 @@ class ServingEngine:
         self.device = param.device
         self.n_positions, self.vocab_size = config.n_positions, config.vocab_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(range(config.n_layer), num_blocks, block_size, config.n_head,
+        tp = getattr(getattr(self.model, "tp_info", None), "tp", 1)  # a tensor-parallel shard: n_head / tp heads
+        self.cache = PagedKVCache(range(config.n_layer), num_blocks, block_size, config.n_head // tp,
                                   config.n_embd // config.n_head, param.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, positive_int("max_batch", max_batch), max_step_tokens)
         self.block_size = block_size
