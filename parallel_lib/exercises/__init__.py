@@ -98,3 +98,8 @@ __all__ += ["check_merge_attention", "check_zigzag_positions", "check_busiest_sh
 _CHECKERS.update({"check_dispatch_rows": "ch12", "check_combine_rows": "ch12", "check_balance_effect": "ch12"})
 CHAPTERS = CHAPTERS + ("12",)
 __all__ += ["check_dispatch_rows", "check_combine_rows", "check_balance_effect"]
+
+# chapters 06 and 10's coding exercises (appended: the registries above stay as they were)
+_CHECKERS.update({"check_zero2_step": "ch06", "check_clip_grad_norm_sharded": "ch06",
+                  "check_layout_reason": "ch10", "check_mesh_coords": "ch10"})
+__all__ += ["check_zero2_step", "check_clip_grad_norm_sharded", "check_layout_reason", "check_mesh_coords"]
