@@ -178,6 +178,7 @@ def _reason(layout=_BEST, neighbour=_ZERO2_NEIGHBOUR, gib=20.73, seconds=4.869):
     (_reason(seconds=3.152), "your own layout's step time"),
     (_reason(seconds=None), "predict its step time"),
     (_reason(neighbour=dict(dp=8, tp=2, pp=1, zero=0), gib=60.7, seconds=3.152), "is not slower"),
+    (_reason(neighbour=_BEST), "the neighbour is your layout itself"),
     (_reason(layout=dict(dp=16, tp=1, pp=1, zero=0)), "does not fit"),
     (_reason(layout=dict(dp=2, tp=1, pp=8, zero=1)), "pipeline bubble"),
     (_reason(layout=dict(dp=8, tp=2, pp=2, zero=1)), "the budget is 16 GPUs"),
@@ -270,3 +271,23 @@ def test_the_notebook_ends_with_the_grade_cell_which_grades_the_stubs_fast(chapt
     grades = grade_notebook(path)
     assert [r.passed for r in grades] == [False] * len(EXERCISES[chapter])
     assert time.perf_counter() - start < 5  # the stubs never start ranks
+
+
+def test_grade_notebook_scores_notebook_10_filled_with_the_answers(tmp_path):
+    import glob
+    import inspect
+    import textwrap
+
+    import nbformat
+
+    from parallel_lib.exercises import grade_notebook
+    (path,) = glob.glob("notebooks/10_*.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    for item in EXERCISES["10"]:  # the student fills each stub cell with the reference answer
+        cell = next(c for c in nb.cells if c.cell_type == "code" and c.source == item.stub.rstrip("\n"))
+        cell.source = (textwrap.dedent(inspect.getsource(item.solution)) if callable(item.solution)
+                       else f"{item.answer_name} = {item.solution!r}")
+    filled = tmp_path / "10_filled.ipynb"
+    nbformat.write(nb, filled)
+    grades = grade_notebook(filled)
+    assert all(r.passed for r in grades) and repr(grades).endswith("score: 4 / 4"), grades

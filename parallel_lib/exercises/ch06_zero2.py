@@ -281,6 +281,9 @@ def check_zero2_step(fn: Any) -> CheckResult:
 def _crash_hint(message: str) -> str:
     if "NameError" in message:
         return "the ranks run only the source of zero2_rank: import and define everything inside it"
+    if "does not support" in message:
+        return ("gloo has no list form of this collective: use the one-tensor form (reduce_scatter_tensor, "
+                "all_gather_into_tensor)")
     if "size" in message or "shape" in message or "numel" in message:
         return "reduce-scatter takes the whole (P,) buffer and fills a (P/N,) tensor; all-gather the reverse"
     if "leaf" in message:

@@ -25,7 +25,7 @@ from parallel_lib.exercises._budget import SEQ, SHAPE, as_grid, calibration_and_
 from parallel_lib.exercises._core import CheckResult, as_number, failed, passed
 from parallel_lib.planner.layout import Layout, Priced, price
 
-__all__ = ["REASON_STUB", "REASON_JOB", "job_layout", "check_layout_reason"]
+__all__ = ["REASON_STUB", "REASON_JOB", "SHAPE", "job_layout", "check_layout_reason"]
 
 REASON_JOB = dict(devices=16, global_batch=64, max_tp=8)
 SLACK = 1.10        # within 10 % of the fastest: as good as the model can tell
@@ -160,6 +160,9 @@ def check_layout_reason(answer: Any) -> CheckResult:
     if ratio > SLACK:
         return failed(name, "layout", f"{ours.layout.name} fits, but its step is predicted {ratio - 1:.0%} slower than "
                       "the fastest layout's", slower_hint(ours, best))
+    if mine == other:
+        return failed(name, "neighbour", "the neighbour is your layout itself",
+                      "a reason compares your layout with one you rejected")
     if not _is_neighbour(mine, other):
         return failed(name, "neighbour", f"DP{other[0]}×TP{other[1]}×PP{other[2]} ZeRO-{other[3]} is more than one "
                       "change away from your layout",
