@@ -54,7 +54,7 @@ import torch
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.cost.zero import zero_collectives
-from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.cost.alpha_beta import ring_wire_bytes
 from parallel_lib.sharding.flat import make_buckets, padded_numel
 from parallel_lib.sharding.memory import zero_memory
 from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, shard_parameters
