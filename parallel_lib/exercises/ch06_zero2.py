@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel_lib.cost.alpha_beta import ring_wire_bytes
 from parallel_lib.exercises._core import CheckResult, failed, is_stub, passed, require_callable, stub_result
 from parallel_lib.exercises._ranks import case_error, run_on_ranks
-from parallel_lib.runtime.collectives import count_collectives, ring_wire_bytes
+from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.sharding.flat import FlatParamGroup, padded_numel
 
 __all__ = ["ZERO2_STUB", "check_zero2_step", "check_zero2_steps"]
