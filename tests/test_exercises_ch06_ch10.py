@@ -49,6 +49,11 @@ ZERO2_WRONG = {
         optimizer.step()"""), ["case setting up", "the full parameters are updated instead of this rank's shard"]),
     "gathered-first": (dict(body=_STEP.replace(_UPDATE_THEN_GATHER, _GATHER_THEN_UPDATE)),
                        ["still holds the old parameters", "gathered before the update"]),
+    "gradients-gathered": (dict(body="""every = [torch.empty_like(flat_grad) for _ in range(n)]
+        dist.all_gather(every, flat_grad)
+        shard.grad = (sum(every) / n)[rank * size:(rank + 1) * size]
+        optimizer.step()
+        dist.all_gather_into_tensor(flat_params, shard)"""), ["bytes in one step", "send 336"]),
     "not-reduced": (dict(body="""shard.grad = flat_grad[rank * size:(rank + 1) * size].clone()
         optimizer.step()
         dist.all_gather_into_tensor(flat_params, shard)"""), ["only its own micro-batch's gradient"]),

@@ -184,9 +184,7 @@ def _diagnose(ranks: list[dict[str, Any]], initial: torch.Tensor,
                     "exchange, and every rank then holds all of the reduced gradient",
                     "this rank updates only its shard: which half of the ring all-reduce leaves each rank the sum "
                     "of exactly that part?")
-        if not any(kind == "reduce_scatter" for kind, _, _ in calls):
-            break  # no reduction at all: the gradient AdamW saw below says what happened
-        sent = sum(wire for _, _, wire in calls)
+        sent = sum(wire for _, _, wire in calls)  # an all-gather of every rank's gradient shows here too
         budget = 2 * ring_wire_bytes("reduce_scatter", grad_bytes, _WORLD)
         if sent > budget * 1.01:
             return ("step 1", f"rank {rank} sent {sent:,.0f} bytes in one step, a reduce-scatter of the gradient and "
