@@ -18,7 +18,7 @@ counter of a real run.
 """
 
 from parallel_lib.cost.alpha_beta import (KINDS, AlphaBeta, allreduce_cost, fit_allreduce_cost,
-                                          fit_alpha_beta, hops, ring_wire_bytes)
+                                          fit_alpha_beta, hops, ring_wire_bytes, wire_bytes)
 from parallel_lib.cost.kv_cache import kv_bytes
 from parallel_lib.cost.moe import (DEEPSEEK_V3, MIXTRAL_8X7B, EPTraffic, MoEShape, ep_traffic, gpt2_moe_shape,
                                    moe_memory, moe_step_traffic)
@@ -37,7 +37,7 @@ from parallel_lib.cost.zero import (
 )
 
 __all__ = ["KINDS", "AlphaBeta", "allreduce_cost", "fit_allreduce_cost", "fit_alpha_beta", "hops",
-           "ring_wire_bytes", "kv_bytes", "KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic",
+           "ring_wire_bytes", "wire_bytes", "kv_bytes", "KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic",
            "zero_collectives", "zero_paper_table", "megatron_bytes_per_param", "zero3_working_set",
            "deepspeed_estimate", "fsdp_shard_numel", "MoEShape", "MIXTRAL_8X7B", "DEEPSEEK_V3", "gpt2_moe_shape",
            "EPTraffic", "ep_traffic", "moe_memory", "moe_step_traffic"]

@@ -23,13 +23,13 @@ ring's send/recv: one model, one fit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int
 
-__all__ = ["KINDS", "ring_wire_bytes", "hops", "AlphaBeta", "fit_alpha_beta", "allreduce_cost",
+__all__ = ["KINDS", "ring_wire_bytes", "wire_bytes", "hops", "AlphaBeta", "fit_alpha_beta", "allreduce_cost",
            "fit_allreduce_cost"]
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")  # the collectives the model prices
@@ -48,6 +48,11 @@ def ring_wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
     if kind in ("send", "broadcast"):
         return float(nbytes)
     return 0.0
+
+
+def wire_bytes(collectives: Mapping[str, tuple[int, float]], group_size: int) -> float:
+    """Bytes one rank sends for a group's collectives, ``{kind: (calls, message bytes)}``, under the ring algorithm."""
+    return sum(ring_wire_bytes(kind, nbytes, group_size) for kind, (_, nbytes) in collectives.items())
 
 
 def hops(kind: str, group_size: int) -> int:
