@@ -109,3 +109,8 @@ __all__ += ["check_bug_hunt_1", "check_bug_hunt_2", "check_bug_hunt_3", "check_d
 _CHECKERS.update({"check_block_slot": "ch13", "check_admit_requests": "ch13", "check_accept_draft": "ch13"})
 CHAPTERS = CHAPTERS + ("13",)
 __all__ += ["check_block_slot", "check_admit_requests", "check_accept_draft"]
+
+# chapters 06 and 10's coding exercises (appended: the registries above stay as they were)
+_CHECKERS.update({"check_zero2_step": "ch06", "check_clip_grad_norm_sharded": "ch06",
+                  "check_layout_reason": "ch10", "check_mesh_coords": "ch10"})
+__all__ += ["check_zero2_step", "check_clip_grad_norm_sharded", "check_layout_reason", "check_mesh_coords"]

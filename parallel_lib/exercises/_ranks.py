@@ -18,7 +18,7 @@ A worker raises ``RuntimeError(f"case {label!r}: {error}")`` so that the failing
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 from parallel_lib.exercises._core import CheckResult, failed
 from parallel_lib.exercises._shipping import ShippedFunction, ship
@@ -49,14 +49,16 @@ def uses_the_library(shipped: ShippedFunction) -> bool:
             or any(library(getattr(v, "__module__", "") or "") for v in shipped.objects.values()))
 
 
-def run_on_ranks(exercise: str, fn: Callable, worker: Callable[..., Any], world_size: int, *args: Any,
+def run_on_ranks(exercise: str, fn: Union[Callable, Sequence[Callable]], worker: Callable[..., Any], world_size: int,
+                 *args: Any,
                  timeout: float = 30.0, crash_hint: Callable[[str], str] = lambda message: "",
                  same_calls: str = SAME_CALLS, allow_library: bool = False) -> Union[list[Any], CheckResult]:
     """``launch(worker, world_size, ship(fn), *args)`` on gloo ranks: every rank's result, or the failure.
 
     Args:
         exercise: the exercise's name, for the messages.
-        fn: the student's function (already known to be callable and not a stub).
+        fn: the student's function (already known to be callable and not a stub), or a list of answers
+            to check in one launch (a test's wrong answers): the worker then gets a tuple of shipped functions.
         worker: ``worker(rank, world_size, shipped, *args)``, defined in an importable module.
         timeout: seconds for the run once the ranks have started (and each collective's limit).
         crash_hint: turns the last line of a rank's traceback into a hint ("" for none).
@@ -66,15 +68,17 @@ def run_on_ranks(exercise: str, fn: Callable, worker: Callable[..., Any], world_
     Returns:
         The list of the ranks' return values, or a failed :class:`CheckResult` saying what went wrong.
     """
+    several = isinstance(fn, (list, tuple))
     try:
-        shipped = ship(fn)
+        answers = tuple(ship(f) for f in (fn if several else [fn]))
     except ValueError as error:  # the source could not be read
         return failed(exercise, None, str(error))
-    if not allow_library and uses_the_library(shipped):
+    if not allow_library and any(uses_the_library(shipped) for shipped in answers):
         return failed(exercise, None, "the answer calls parallel_lib, the library whose code this exercise asks "
                       "you to write", "write it with torch and torch.distributed only")
     try:
-        return launch(worker, world_size, shipped, *args, backend="gloo", timeout=timeout, threads_per_rank=1)
+        return launch(worker, world_size, answers if several else answers[0], *args, backend="gloo", timeout=timeout,
+                      threads_per_rank=1)
     except LaunchTimeoutError as error:
         if error.phase == "start-up":  # the machine is busy: not the student's mistake
             return failed(exercise, None, str(error).splitlines()[0], "run the check again when the machine is quieter")

@@ -1,8 +1,11 @@
-"""Exercises for chapter 06: who owns element i of a padded flat buffer, ZeRO's bytes per rank, and
-stage 3's traffic predicted before it is measured.
+"""Exercises for chapter 06: ZeRO's bytes per rank, stage 3's traffic predicted before it is measured, a ZeRO-2
+step written from reduce-scatter and all-gather (``ch06_zero2``), and clipping by the global norm of a sharded
+gradient (``ch06_clip``), both on gloo ranks.
 
-The checkers compare with the library's own answers (``shard_owner``, ``zero_memory``,
-``zero_traffic``); the reference solutions below are written independently, as a student would.
+The checkers compare with the library's own answers (``zero_memory``, ``zero_traffic``, one process,
+``ZeroEngine.clip_grad_norm_``); the reference answers are in ``solutions.py``. ``check_shard_owner``
+(who owns element i of a padded flat buffer) stays a checker without a notebook cell: the ZeRO-2
+exercise has the student cut the buffer into its shards.
 """
 
 from __future__ import annotations
@@ -10,11 +13,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parallel_lib.exercises._core import Case, CheckResult, Exercise, as_int, as_number, check_function, same_number
+from parallel_lib.exercises._core import (Case, CheckResult, Exercise, as_int, as_number, check_function, same_number,
+                                         solution)
+from parallel_lib.exercises.ch06_clip import CLIP_STUB, check_clip_grad_norm_sharded
+from parallel_lib.exercises.ch06_zero2 import ZERO2_STUB, check_zero2_step
 from parallel_lib.sharding.flat import shard_owner
 from parallel_lib.sharding.memory import zero_memory, zero_traffic
 
-__all__ = ["check_shard_owner", "check_zero_bytes_per_rank", "check_zero3_bytes_sent", "EXERCISES"]
+__all__ = ["check_shard_owner", "check_zero_bytes_per_rank", "check_zero3_bytes_sent", "check_zero2_step",
+           "check_clip_grad_norm_sharded", "EXERCISES"]
 
 SHARD_OWNER_STUB = '''\
 def owner_of(index, numel, world_size):
@@ -85,30 +92,17 @@ def check_zero3_bytes_sent(fn: Any) -> CheckResult:
                           compare=same_number, hint=_traffic_hint)
 
 
-# --------------------------------------------------------------------------- reference solutions
-def owner_of(index: int, numel: int, world_size: int) -> int:
-    shard = -(-numel // world_size)  # padded / N: the shards are this long, the last one padded
-    return index // shard
-
-
-def zero_bytes_per_rank(n_params: float, world_size: int, stage: int) -> float:
-    params, grads, optimizer = 2 * n_params, 2 * n_params, 12 * n_params
-    if stage >= 1:
-        optimizer /= world_size
-    if stage >= 2:
-        grads /= world_size
-    if stage >= 3:
-        params /= world_size
-    return params + grads + optimizer
-
-
-def zero3_bytes_sent(n_params: float, world_size: int, bytes_per_param: int) -> float:
-    one_pass = (world_size - 1) / world_size * n_params * bytes_per_param
-    return 3 * one_pass  # all-gather forward, all-gather backward, reduce-scatter gradients
-
-
 EXERCISES = [
-    Exercise("shard_owner", check_shard_owner, SHARD_OWNER_STUB, owner_of),
-    Exercise("zero_bytes_per_rank", check_zero_bytes_per_rank, BYTES_STUB, zero_bytes_per_rank),
-    Exercise("zero3_bytes_sent", check_zero3_bytes_sent, TRAFFIC_STUB, zero3_bytes_sent),
+    Exercise("zero_bytes_per_rank", check_zero_bytes_per_rank, BYTES_STUB, solution("zero_bytes_per_rank"),
+             "Write the model-state bytes on each rank under each ZeRO stage."),
+    Exercise("zero3_bytes_sent", check_zero3_bytes_sent, TRAFFIC_STUB, solution("zero3_bytes_sent"),
+             "Predict the bytes one rank sends per step under ZeRO-3, before section 5 counts them."),
+    Exercise("zero2_step", check_zero2_step, ZERO2_STUB, solution("zero2_rank"),
+             "Write ZeRO-2's step yourself, from `reduce_scatter` and `all_gather` on the flat shards of section 2 "
+             "(not the library's `ZeroEngine`). The checker runs 3 AdamW steps on 2 gloo ranks against one process "
+             "on the whole batch, and looks at what each rank keeps and sends."),
+    Exercise("clip_grad_norm_sharded", check_clip_grad_norm_sharded, CLIP_STUB, solution("clip_grad_norm_sharded"),
+             "Clip the gradient by its global norm when each rank holds only a shard of it. The checker runs 3 "
+             "ZeRO-2 steps on 2 gloo ranks with your function and with `ZeroEngine.clip_grad_norm_`, and compares "
+             "the clipped gradients, the norms and the parameters."),
 ]

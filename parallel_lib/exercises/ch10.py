@@ -1,28 +1,32 @@
-"""Exercises for chapter 10: choose a layout for a budget and justify it with the planner's predictions,
-and find which term makes a layout run out of memory (and the smallest ZeRO stage that cures it).
+"""Exercises for chapter 10: choose a layout for a budget, find which term makes a layout run out of memory
+(and the smallest ZeRO stage that cures it), give a layout's reason as a prediction about a neighbour
+(``ch10_reason``), and write a rank's coordinates on the mesh (``ch10_mesh``).
 
-Both are checked against the planner itself (:func:`parallel_lib.planner.search.plan_layouts` and
-:func:`parallel_lib.planner.layout.price` with the published A100 figures), never against a typed number.
+The first three are checked against the planner itself (:func:`parallel_lib.planner.search.plan_layouts`
+and :func:`parallel_lib.planner.layout.price` with the published A100 figures), never against a typed
+number; the fourth against :class:`parallel_lib.runtime.mesh.Mesh`. The reference answers are in
+``solutions.py``.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from numbers import Integral
 from typing import Any, Optional
 
-from parallel_lib.exercises._core import CheckResult, Exercise, failed, passed
-from parallel_lib.planner.hardware import GPUS, published_calibration
-from parallel_lib.planner.layout import Layout, Priced, StepCost, price
+from parallel_lib.exercises._budget import SEQ, SHAPE
+from parallel_lib.exercises._budget import as_grid as _as_grid
+from parallel_lib.exercises._budget import calibration_and_cost as _calibration_and_cost
+from parallel_lib.exercises._budget import slower_hint as _slower_hint
+from parallel_lib.exercises._core import CheckResult, Exercise, failed, passed, solution
+from parallel_lib.exercises.ch10_mesh import MESH_COORDS_STUB, check_mesh_coords
+from parallel_lib.exercises.ch10_reason import REASON_STUB, check_layout_reason
+from parallel_lib.planner.layout import Layout, Priced, price
 from parallel_lib.planner.search import LayoutPlan, plan_layouts
 from parallel_lib.sharding.memory import zero_memory
-from parallel_lib.tensor_parallel.cost import GPTShape
 
-__all__ = ["check_choose_layout", "check_oom_term", "EXERCISES", "CHOOSE_SOLUTION", "OOM_SOLUTION",
+__all__ = ["check_choose_layout", "check_oom_term", "check_layout_reason", "check_mesh_coords", "EXERCISES",
            "CHOOSE_JOB", "OOM_JOB"]
 
-# the Llama-style 8B shape of parallel_lib.planner.published (sequence 4096), on A100 80 GB nodes of 8
-SHAPE, SEQ, GPU = GPTShape(32, 4096, 32, 128256, 4096), 4096, "A100"
 CHOOSE_JOB = dict(devices=32, global_batch=128)
 OOM_JOB = dict(layout=Layout(dp=8, zero=0, micro_batches=4, dtype="bf16"), global_batch=32)
 SLACK = 1.10  # a layout within 10 % of the planner's fastest is as good a choice as the model can tell
@@ -32,7 +36,7 @@ CHOOSE_STUB = '''\
 # 32 heads, vocabulary 128,256), 128 sequences of 4096 tokens per step, bf16 mixed precision.
 # Choose a layout: dp x tp x pp = 32 and a ZeRO stage. Use the planner (plan_layouts / price, or the
 # widget's functions) to justify it by its predicted memory and step time: it must fit, and be within
-# 10 % of the fastest layout the planner finds. Write in a comment WHY it beats its neighbours.
+# 10 % of the fastest layout the planner finds. (Exercise 3 grades a reason by the prediction it makes.)
 CHOSEN_LAYOUT = None  # your answer: dict(dp=..., tp=..., pp=..., zero=...)
 '''
 
@@ -44,16 +48,6 @@ OOM_STUB = '''\
 OOM_ANSWER = None  # your answer: (term, zero stage), e.g. ("gradients", 3)
 '''
 
-# reference answers (the checkers never read them: they ask the planner; tests check they pass)
-CHOOSE_SOLUTION = dict(dp=32, tp=1, pp=1, zero=3)  # FSDP-style: its gathers hide behind compute (price's overlap)
-OOM_SOLUTION = ("optimizer", 1)
-
-
-def _calibration_and_cost() -> tuple[Any, StepCost, float]:
-    gpu = GPUS[GPU]
-    return published_calibration(GPU), StepCost(0.0, gpu.flops_bf16), gpu.memory_gb * 1e9
-
-
 @lru_cache(maxsize=1)
 def _choose_plan() -> LayoutPlan:
     calibration, cost, memory = _calibration_and_cost()
@@ -63,19 +57,6 @@ def _choose_plan() -> LayoutPlan:
 
 def _grid(c: Any) -> tuple[int, int, int, int]:
     return (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.zero if c.layout.dp > 1 else 0)
-
-
-def _as_grid(answer: Any) -> tuple[int, int, int, int]:
-    if not isinstance(answer, dict) or not {"dp", "tp", "pp"} <= set(answer):
-        raise TypeError("a dict with keys dp, tp, pp (and zero), e.g. dict(dp=8, tp=2, pp=2, zero=1)")
-    for k in ("dp", "tp", "pp", "zero"):  # int(nan) raised its own words, int(2.5) and True passed as 2 and 1
-        v = answer.get(k, 0)
-        if isinstance(v, bool) or not isinstance(v, Integral):
-            raise TypeError(f"whole numbers, got {k}={v!r}; e.g. dict(dp=8, tp=2, pp=2, zero=1)")
-    values = tuple(int(answer.get(k, 0)) for k in ("dp", "tp", "pp", "zero"))
-    if any(v < 1 for v in values[:3]) or values[3] not in (0, 1, 2, 3):
-        raise ValueError("dp, tp, pp positive whole numbers and zero one of 0, 1, 2, 3")
-    return values[0], values[1], values[2], values[3] if values[0] > 1 else 0
 
 
 def check_choose_layout(answer: Any) -> CheckResult:
@@ -114,17 +95,6 @@ def check_choose_layout(answer: Any) -> CheckResult:
                       _slower_hint(ours, best.priced))
     return passed(name, f"{mine[0].layout.name}: {ours.memory_bytes / 2**30:.1f} GiB, {ours.step_seconds:.3f} s "
                   f"per step ({ratio - 1:+.1%} against the planner's best)")
-
-
-def _slower_hint(ours: Priced, best: Priced) -> str:
-    """Name the term where the chosen layout loses most against the best."""
-    terms = {"the pipeline bubble": ours.compute * ours.bubble - best.compute * best.bubble,
-             "the tensor-parallel all-reduces": ours.tp_comm - best.tp_comm,
-             "the data-parallel (ZeRO) collectives": ours.dp_comm - best.dp_comm,
-             "compute (recomputation or an unbalanced stage)": (ours.compute - ours.tp_comm) -
-             (best.compute - best.tp_comm)}
-    worst = max(terms, key=terms.__getitem__)
-    return f"compare the predicted terms: yours loses most in {worst}"
 
 
 def _oom_terms(zero: int) -> tuple[Priced, dict[str, float]]:
@@ -190,8 +160,14 @@ def check_oom_term(answer: Any) -> CheckResult:
 
 
 EXERCISES = [
-    Exercise("choose_layout", check_choose_layout, CHOOSE_STUB, CHOOSE_SOLUTION,
+    Exercise("choose_layout", check_choose_layout, CHOOSE_STUB, solution("CHOSEN_LAYOUT"),
              "Choose a layout for 32 A100s and justify it by the planner's predicted memory and step time."),
-    Exercise("oom_term", check_oom_term, OOM_STUB, OOM_SOLUTION,
+    Exercise("oom_term", check_oom_term, OOM_STUB, solution("OOM_ANSWER"),
              "Find which term makes plain data parallelism run out of memory, and the ZeRO stage that cures it."),
+    Exercise("layout_reason", check_layout_reason, REASON_STUB, solution("LAYOUT_REASON"),
+             "Choose a layout for 16 A100s and give the reason it beats a neighbour as a prediction: the "
+             "neighbour's memory per GPU and step time, which the check compares with the cost model."),
+    Exercise("mesh_coords", check_mesh_coords, MESH_COORDS_STUB, solution("mesh_coords"),
+             "Write the (dp, tp, pp) coordinates of a global rank on a mesh laid out in a given order. The check "
+             "compares with `Mesh.coords` on every rank of 7 meshes."),
 ]

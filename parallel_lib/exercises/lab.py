@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib
 import linecache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -37,10 +38,11 @@ GRADE_SOURCE = "from parallel_lib.exercises import grade\n\ngrade({chapter!r}, g
 
 
 def _exercises(chapter: str) -> list:
-    from parallel_lib.exercises import EXERCISES
-    if chapter not in EXERCISES:
-        raise ValueError(f"chapter must be one of {sorted(EXERCISES)}, got chapter={chapter!r}")
-    return EXERCISES[chapter]
+    """The chapter's exercises, importing that chapter's module only (the registry imports them all: seconds)."""
+    from parallel_lib.exercises import CHAPTERS
+    if chapter not in CHAPTERS:
+        raise ValueError(f"chapter must be one of {sorted(CHAPTERS)}, got chapter={chapter!r}")
+    return importlib.import_module(f"parallel_lib.exercises.ch{chapter}").EXERCISES
 
 
 def section_cells(chapter: str) -> list["nbformat.NotebookNode"]:

@@ -23,9 +23,11 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "balanced_device_map", "device_map_under_limit", "training_bytes",
            "_clock_cycles", "pipeline_bubble", "gpipe_step_time", "one_f_one_b_order", "micro_batches_for_bubble",
            "bytes_per_device", "plan_parallelism", "ring_exchange_order",
+           "zero_bytes_per_rank", "zero3_bytes_sent", "zero2_rank", "clip_grad_norm_sharded",
            "row_parallel_forward", "tp_operators", "vocab_cross_entropy",
            "linear_weight_grad", "interleaved_bubble", "SCHEDULE_LAB", "REPAIR_DEADLOCK",
            "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT",
+           "CHOSEN_LAYOUT", "OOM_ANSWER", "LAYOUT_REASON", "mesh_coords",
            "merge_attention", "zigzag_positions", "BUSIEST_SHARE",
            "dispatch_rows", "combine_rows", "BALANCE_EFFECT",
            "BUG_HUNT_1", "BUG_HUNT_2", "BUG_HUNT_3",
@@ -228,6 +230,58 @@ def ring_exchange_order(rank: int, world_size: int) -> list[tuple[str, int]]:
     return [recv, send] if rank == 0 else [send, recv]
 
 
+# --------------------------------------------------------------------------- chapter 06
+def zero_bytes_per_rank(n_params: float, world_size: int, stage: int) -> float:
+    params, grads, optimizer = 2 * n_params, 2 * n_params, 12 * n_params
+    if stage >= 1:
+        optimizer /= world_size
+    if stage >= 2:
+        grads /= world_size
+    if stage >= 3:
+        params /= world_size
+    return params + grads + optimizer
+
+
+def zero3_bytes_sent(n_params: float, world_size: int, bytes_per_param: int) -> float:
+    one_pass = (world_size - 1) / world_size * n_params * bytes_per_param
+    return 3 * one_pass  # all-gather forward, all-gather backward, reduce-scatter gradients
+
+
+def zero2_rank(flat_params, make_optimizer):
+    import torch
+    import torch.distributed as dist
+    # the names torch 2.13 gave the two halves of the ring all-reduce, or the older ones
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    size = flat_params.numel() // n
+    shard = flat_params[rank * size:(rank + 1) * size].clone()  # this rank's parameters, a tensor of its own
+    optimizer = make_optimizer([shard])  # AdamW's two moments: for this shard only
+
+    def step(flat_grad):
+        grad = torch.empty(size, dtype=flat_grad.dtype)
+        reduce_scatter(grad, flat_grad)  # the sum over the ranks, of my shard only
+        shard.grad = grad / n            # the mean, as one process on the whole batch
+        optimizer.step()
+        shard.grad = None                # nothing of the gradient is kept between steps
+        all_gather(flat_params, shard)   # everyone's updated shard, into the buffer the model reads
+
+    return step
+
+
+def clip_grad_norm_sharded(shards, max_norm):
+    import torch
+    import torch.distributed as dist
+    # the whole gradient's squared norm is the sum of every rank's squares: add squares, never norms
+    squares = sum((s.double().pow(2).sum() for s in shards), torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's factor, never above 1
+    for s in shards:
+        s.mul_(scale)
+    return norm
+
+
 # --------------------------------------------------------------------------- chapter 07
 def row_parallel_forward(x_mine, weight_mine, bias, all_reduce):
     # each rank's slice of the input features times its columns of the weight is a partial product
@@ -337,6 +391,29 @@ def cache_step(k_cache, v_cache, k_new, v_new, lengths):
 # a 2-stage pipeline, a step of time t per stage: 1 request crosses both stages per token (1 token per 2t);
 # 4 requests make 2 groups that keep both stages busy, each group step yielding 2 tokens (4 tokens per 2t)
 PIPELINE_THROUGHPUT = (0.5, 2.0)
+
+
+# --------------------------------------------------------------------------- chapter 10
+# FSDP-style: dp 32 with ZeRO-3 shards everything, and its gathers and reduce-scatters hide behind each
+# micro-batch's forward and backward (price's overlap), so no tensor or pipeline parallelism is needed
+CHOSEN_LAYOUT = dict(dp=32, tp=1, pp=1, zero=3)
+
+# 12 of the 16 bytes per parameter are the optimizer's (fp32 master and two moments); ZeRO-1 shards them
+OOM_ANSWER = ("optimizer", 1)
+
+# DP8 x TP2 with ZeRO-1 is the fastest; ZeRO-2 would shard the gradients too, but reduce-scatters them after
+# each of its 8 micro-batches, and the backward does not hide all of it: one stage up is predicted slower
+LAYOUT_REASON = dict(layout=dict(dp=8, tp=2, pp=1, zero=1), neighbour=dict(dp=8, tp=2, pp=1, zero=2),
+                     neighbour_gib=20.7, neighbour_seconds=3.26)
+
+
+def mesh_coords(rank, dp, tp, pp, order):
+    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    coords, stride = {}, 1
+    for axis in order.split("-"):  # fastest first: an axis steps once per sweep of the axes before it
+        coords[axis] = rank // stride % sizes[axis]
+        stride *= sizes[axis]
+    return coords
 
 
 # --------------------------------------------------------------------------- chapter 11
