@@ -174,6 +174,12 @@ def pick(seq: Sequence, logits: torch.Tensor) -> tuple[int, Optional[torch.Tenso
     return draw(p, seq.generator), p
 
 
+def _greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's argmax and whether the row is finite, for a batch of logits (n, V) in two calls (row by row,
+    :func:`pick` costs more than a small model's pass on a CPU)."""
+    return logits.argmax(-1).tolist(), torch.isfinite(logits).all(-1).tolist()
+
+
 class Drafter:
     """The draft side of speculative decoding in the serving engine; see the module docstring.
 
@@ -257,14 +263,16 @@ class Drafter:
                                  self.device)
             x = paged_forward(self.model, self.cache.at(layout.write, layout.valid, layout.read), layout)
             logits = self.model.lm_head(x[layout.rows, layout.cols]).float().cpu()          # (rows, V)
+            best, finite = _greedy(logits)
             self.stats.draft_passes += 1
-            for i, end, row_logits in zip(rows, ends, logits):
+            for n, (i, end) in enumerate(zip(rows, ends)):
                 seq = seqs[i]
                 seq.draft_done = end
                 if want[i] <= j:
                     continue  # fed to keep the draft's pool up with the target's: no guess wanted
                 try:
-                    token, q = pick(seq, row_logits)
+                    greedy = seq.request.temperature == 0.0 and finite[n]
+                    token, q = (best[n], None) if greedy else pick(seq, logits[n])
                 except ValueError as error:  # its result says so; the engine ends the request
                     seq.result.error = f"request {seq.id} failed in the draft at token {len(seq.result.tokens)}: " \
                                        f"{error}"
@@ -281,10 +289,11 @@ class Drafter:
         A failure (non-finite logits) goes into ``seq.result.error``, after the tokens taken before it.
         """
         old, new, accepted = len(seq.tokens), [], 0
+        best, finite = _greedy(logits)
         try:
             for j, guess in enumerate(seq.guesses):
                 if seq.request.temperature == 0.0:
-                    token, _ = pick(seq, logits[j])
+                    token = best[j] if finite[j] else pick(seq, logits[j])[0]  # (pick raises the error)
                     ok = token == guess
                 else:
                     token, ok = verify_token(probabilities(logits[j], seq.request.temperature), seq.q[j], guess,
@@ -293,8 +302,9 @@ class Drafter:
                 if not ok:
                     break
                 accepted += 1
-            else:
-                new.append(pick(seq, logits[len(seq.guesses)])[0])  # every guess accepted: a bonus token
+            else:  # every guess accepted: a bonus token
+                g = len(seq.guesses)
+                new.append(best[g] if seq.request.temperature == 0.0 and finite[g] else pick(seq, logits[g])[0])
         except ValueError as error:
             seq.result.error = f"request {seq.id} failed at token {len(seq.result.tokens)}: {error}"
         stats, eos = self.stats, seq.request.eos
