@@ -15,8 +15,9 @@ from _serving_requests import NEW, PROMPTS, hf_greedy
 from parallel_lib.bench.__main__ import main as bench_dispatch
 from parallel_lib.inference import Engine, Request, Result, ServeConfig
 from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, Scheduler, Sequence, ServingEngine,
-                                  block_hashes, blocks_for, goodput, kv_waste, poisson_trace, replay_continuous,
-                                  replay_static, slots_of, trace_metrics)
+                                  block_hashes, blocks_for, kv_waste, poisson_trace, replay_continuous, replay_static,
+                                  slots_of, trace_metrics)
+from parallel_lib.serving.goodput import goodput
 
 CONFIG = ServeConfig(initializer_range=0.3)
 REQUESTS = [Request(p, n) for p, n in zip(PROMPTS, NEW)]
@@ -336,12 +337,12 @@ def test_goodput_counts_the_requests_that_met_both_latency_bounds_per_second():
                Result(2, [1, 2], arrival=1.0, token_times=[1.1, 1.5]),            # TPOT 0.4: too slow
                Result(3, [1], arrival=1.5, token_times=[1.6]),                    # one token, no TPOT: meets
                Result(4, [], error="refused", arrival=0.0)]                       # not served
-    assert goodput(results, ttft=0.2, tpot=0.2) == pytest.approx(2 / 1.6)     # over first arrival .. last token
-    assert goodput(results, ttft=1.0, tpot=1.0) == pytest.approx(4 / 1.6)
-    with pytest.raises(ValueError, match="ttft"):
-        goodput(results, ttft=0.0, tpot=0.2)
+    assert goodput(results, 0.2, 0.2).per_second == pytest.approx(2 / 1.6)   # over first arrival .. last token
+    assert goodput(results, 1.0, 1.0).per_second == pytest.approx(4 / 1.6)
+    with pytest.raises(ValueError, match="ttft_slo"):
+        goodput(results, 0.0, 0.2)
     with pytest.raises(ValueError, match="at least one request that got tokens"):
-        goodput(results[4:], ttft=0.2, tpot=0.2)
+        goodput(results[4:], 0.2, 0.2)
 
 
 def test_the_serving_benchmark_quick_run_prints_every_engine_and_the_endpoint_under_load(capsys):

@@ -17,7 +17,8 @@ import torch
 from _serving_requests import NEW, PROMPTS, hf_greedy
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.inference import Request, ServeConfig
-from parallel_lib.serving import ServingEngine, blocks_for, draft_from_target, draw, kv_waste, verify_token
+from parallel_lib.serving import (ServingEngine, SpeculativeDecoder, blocks_for, draft_from_target, draw, kv_waste,
+                                  verify_token)
 
 CONFIG = ServeConfig(initializer_range=0.3)
 
@@ -76,10 +77,11 @@ def test_a_foreign_draft_that_is_always_rejected_still_gives_the_targets_tokens(
 
 
 def test_k_0_is_the_target_alone_and_eos_stops_inside_a_round(model, expected):
-    plain = speculating(model, draft_from_target(model, 1), k=0)
+    plain = SpeculativeDecoder(model, draft_from_target(model, 1), k=0, block_size=4)  # the one-call form
     assert [r.tokens for r in plain.run([Request(p, n) for p, n in zip(PROMPTS, NEW)])] == expected
-    s = plain.drafter.stats
-    assert s.proposed == 0 and s.draft_passes == 0 and s.tokens_per_round == 1.0
+    plain.run([Request(PROMPTS[0], NEW[0])])
+    s = plain.stats                                                  # of both runs
+    assert s.tokens == sum(NEW) + NEW[0] and s.proposed == 0 and s.draft_passes == 0 and s.tokens_per_round == 1.0
     # eos: the fifth request's 4th token; accepted guesses after it are dropped
     eos = expected[4][3]
     cut = expected[4][:expected[4].index(eos) + 1]
@@ -143,6 +145,8 @@ def test_the_speculating_engine_preempts_and_shares_cached_prefixes_with_both_po
 def test_bad_arguments_are_refused_by_name(model):
     with pytest.raises(ValueError, match="k must be an int >= 0"):
         speculating(model, draft_from_target(model, 1), k=-1)
+    with pytest.raises(ValueError, match="draft's vocabulary"):
+        SpeculativeDecoder(model, build_gpt2("tiny", 50, n_layer=1))
     with pytest.raises(ValueError, match=r"layers must be an int in 1..3, got layers=4; a draft must be smaller"):
         draft_from_target(model, 4)
     with pytest.raises(ValueError, match="draft's vocabulary \\(50 tokens\\) must be the target's \\(97\\)"):

@@ -58,8 +58,9 @@ from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference import Engine, Request, Result, ServeConfig
 from parallel_lib.runtime.environment import machine_label
-from parallel_lib.serving import (ServingEngine, SpeculativeStats, TraceMetrics, draft_from_target, goodput,
-                                  poisson_trace, replay_continuous, replay_static, trace_metrics)
+from parallel_lib.serving import (ServingEngine, SpeculativeStats, TraceMetrics, draft_from_target, poisson_trace,
+                                  replay_continuous, replay_static, trace_metrics)
+from parallel_lib.serving.goodput import goodput
 from parallel_lib.serving.http import CompletionServer
 from parallel_lib.serving.load import LoadReport, markdown as load_markdown, run_load
 
@@ -254,7 +255,7 @@ def _row(name: str, results: list[Result], config: Config) -> list:
     ms = lambda x: f"{1e3 * x:.1f}"  # noqa: E731
     return [name, m.requests, m.tokens, f"{m.throughput:.1f}", ms(m.ttft_p50), ms(m.ttft_p99), ms(m.tpot_p50),
             ms(m.tpot_p99), ms(m.latency_p50), ms(m.latency_p99),
-            f"{goodput(results, config.slo_ttft, config.slo_tpot):.1f}"]
+            f"{goodput(results, config.slo_ttft, config.slo_tpot).per_second:.1f}"]
 
 
 def _table(runs: dict[str, list[Result]], config: Config) -> str:

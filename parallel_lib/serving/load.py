@@ -41,7 +41,8 @@ from parallel_lib.common.checks import check_int, positive_int, positive_number
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference.batch import Result
 from parallel_lib.runtime.environment import machine_label
-from parallel_lib.serving.trace import TraceMetrics, goodput, trace_metrics
+from parallel_lib.serving.goodput import goodput
+from parallel_lib.serving.trace import TraceMetrics, trace_metrics
 
 __all__ = ["completion_bodies", "send_completion", "LoadReport", "run_load", "markdown", "served", "main"]
 
@@ -148,10 +149,10 @@ class LoadReport:
     results: list[Result]
 
     def goodput(self, ttft: float, tpot: float) -> float:
-        """Completed requests per second that met the latency target (:func:`~parallel_lib.serving.trace.goodput`:
+        """Completed requests per second that met the latency target (:func:`~parallel_lib.serving.goodput.goodput`:
         TTFT at most ``ttft``, TPOT at most ``tpot`` seconds); 0.0 when none completed."""
         done = [r for r in self.results if r.ok and r.token_times]
-        return goodput(done, ttft, tpot) if done else 0.0
+        return goodput(done, ttft, tpot).per_second if done else 0.0
 
 
 def run_load(host: str, port: int, bodies: Sequence[dict], clients: int = 32, timeout: float = 60.0) -> LoadReport:
@@ -190,7 +191,7 @@ def markdown(report: LoadReport, machine: str, slo: Optional[tuple[float, float]
         report: what :func:`run_load` measured.
         machine: where it ran, in words.
         slo: a latency target ``(ttft, tpot)`` in seconds: adds the goodput, the completed requests per
-            second that met it (:func:`~parallel_lib.serving.trace.goodput`).
+            second that met it (:meth:`LoadReport.goodput`).
     """
     m = report.metrics
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731

@@ -38,6 +38,9 @@ first, then gathers). What each model holds is a count of valid tokens (``comput
 target, ``draft_done`` for the draft), moved back after a rejection; prefix caching names a block
 only once both pools hold it.
 
+:class:`~parallel_lib.serving.speculative_decoder.SpeculativeDecoder` serves a list of requests that
+way in one call (an engine with a draft, its pool sized for them).
+
 The draft can be any GPT-2 of the same vocabulary; :func:`draft_from_target` makes the cheapest
 one that agrees often: the target's own first layers with its head ("self-speculative" decoding,
 Zhang et al. 2023, "Draft & Verify"; Elhoushi et al. 2024, "LayerSkip").
@@ -46,7 +49,7 @@ Zhang et al. 2023, "Draft & Verify"; Elhoushi et al. 2024, "LayerSkip").
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -146,6 +149,11 @@ class SpeculativeStats:
     def tokens_per_round(self) -> float:
         """Tokens a sequence gains per target pass on average (1 without speculation, at most ``k + 1``)."""
         return self.tokens / self.rounds if self.rounds else 0.0
+
+    def add(self, other: "SpeculativeStats") -> None:
+        """Count ``other``'s rounds, guesses, passes and tokens in these."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass(eq=False)

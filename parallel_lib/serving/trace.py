@@ -19,8 +19,7 @@ served before it arrives, and the engine sleeps when it has nothing to do.
 
 :func:`trace_metrics` reads the results: throughput (generated tokens per second from the first
 arrival to the last token), time to first token, time per output token and end-to-end latency,
-each as its median and 99th percentile. :func:`goodput` counts the requests that met a latency
-target (a TTFT and a TPOT bound, as in DistServe, Zhong et al. 2024) per second.
+each as its median and 99th percentile.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from parallel_lib.inference.batch import Request, Result
 from parallel_lib.inference.engine import Engine
 from parallel_lib.serving.engine import ServingEngine
 
-__all__ = ["Arrival", "poisson_trace", "replay_static", "replay_continuous", "TraceMetrics", "trace_metrics", "goodput"]
+__all__ = ["Arrival", "poisson_trace", "replay_static", "replay_continuous", "TraceMetrics", "trace_metrics"]
 
 
 @dataclass(frozen=True)
@@ -163,42 +162,19 @@ class TraceMetrics:
     latency_p99: float
 
 
-def _served(results: Sequence[Result]) -> tuple[list[Result], float]:
-    """The results without error that got tokens, and the seconds from the first's arrival to the last token.
-
-    Raises:
-        ValueError: no such result.
-    """
-    done = [r for r in results if r.ok and r.token_times]
-    if not done:
-        raise ValueError("results must hold at least one request that got tokens")
-    return done, max(r.token_times[-1] for r in done) - min(r.arrival for r in done)
-
-
 def trace_metrics(results: Sequence[Result]) -> TraceMetrics:
     """Throughput and latency percentiles of a replay's results (see the module docstring).
 
     Raises:
         ValueError: no result with tokens.
     """
-    done, makespan = _served(results)
+    done = [r for r in results if r.ok and r.token_times]
+    if not done:
+        raise ValueError("results must hold at least one request that got tokens")
     tokens = sum(len(r.tokens) for r in done)
+    makespan = max(r.token_times[-1] for r in done) - min(r.arrival for r in done)
     latency = [r.token_times[-1] - r.arrival for r in done]
     return TraceMetrics(len(done), tokens, makespan, tokens / makespan,
                         _percentile([r.ttft for r in done], 0.5), _percentile([r.ttft for r in done], 0.99),
                         _percentile([r.tpot for r in done], 0.5), _percentile([r.tpot for r in done], 0.99),
                         _percentile(latency, 0.5), _percentile(latency, 0.99))
-
-
-def goodput(results: Sequence[Result], ttft: float, tpot: float) -> float:
-    """Requests per second that met the latency target: no error, time to first token at most ``ttft`` and
-    time per output token at most ``tpot`` seconds (a request of one token has no TPOT and meets it), over
-    the same time as :func:`trace_metrics`' throughput (first arrival to last token).
-
-    Raises:
-        ValueError: a bound not above 0, or no result with tokens.
-    """
-    positive_number("ttft", ttft), positive_number("tpot", tpot)
-    done, makespan = _served(results)
-    met = sum(1 for r in done if r.ttft <= ttft and (len(r.token_times) < 2 or r.tpot <= tpot))
-    return met / makespan
