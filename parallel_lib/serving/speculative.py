@@ -297,7 +297,7 @@ class Drafter:
         A failure (non-finite logits) goes into ``seq.result.error``, after the tokens taken before it.
         """
         old, new, accepted = len(seq.tokens), [], 0
-        best, finite = _greedy(logits)
+        best, finite = _greedy(logits) if seq.request.temperature == 0.0 else ([], [])
         try:
             for j, guess in enumerate(seq.guesses):
                 if seq.request.temperature == 0.0:
