@@ -354,10 +354,29 @@ def test_context_parallel_check_on_cpu_ranks():
     # (tiles of 8, chunks of 8: contiguous rank 0 computes 3 tiles of its own block, rank 1 3 + 4; zig-zag 5 and 5)
     # on a CPU PyTorch's context parallelism refuses, and the check says why
     assert "| refused: NotImplementedError: " in table and "_scaled_dot_product_flash_attention_for_cpu" in table
+    beside = next(line for line in table.splitlines() if "| refused: " in line).split(" | ")
+    assert float(beside[2]) < 1e-5, beside   # our zig-zag ring on PyTorch's inputs, against SDPA
     # the census: b·n·(s/cp)·(d + 1)·4 bytes for the ring, b·(n/cp)·s·(4d + 1)·4 + 8·s for Ulysses
     for row in ("| ring | contiguous | 2 | 32 | 2.2 |", "| ring | zigzag | 2 | 32 | 2.2 |",
                 "| ulysses | contiguous | 2 | 32 | 8.5 |"):
         assert row in table, row
+
+
+def test_the_context_parallel_check_compares_pytorch_with_ours_where_it_runs():
+    """The GPU branch, from made-up findings: PyTorch's output is compared with SDPA's and with our ring's."""
+    from parallel_lib.gpu_checks._reference import CheckError
+    from parallel_lib.gpu_checks.ch11_context_parallel import pytorch_beside_ours
+
+    ran = {"ours": 2e-7, "ran": True, "output": 3e-7, "beside_ours": 4e-7}
+    assert pytorch_beside_ours(4, 1e-6, [ran, dict(ran, output=5e-7)]) == [
+        4, "1.0e-06", "2.0e-07", "ran: 5.0e-07 from SDPA, 4.0e-07 from ours"]
+    refused = {"ours": 1e-7, "ran": False, "error": "NotImplementedError: no rule"}
+    assert pytorch_beside_ours(2, 0.0, [refused])[3] == "refused: NotImplementedError: no rule"
+    for bad, match in ((dict(ran, beside_ours=1e-2), "from our ring attention by 0.01"),
+                       (dict(ran, output=float("nan")), "differs from SDPA by nan"),
+                       (dict(refused, ours=1e-2), "our ring attention \\(zig-zag\\) at cp=2 differs from SDPA")):
+        with pytest.raises(CheckError, match=match):
+            pytorch_beside_ours(2, 0.0, [ran, bad])
 
 
 def test_serving_check_on_the_cpu_compares_every_engine_with_hugging_face_and_times_by_device_events(monkeypatch):

@@ -111,7 +111,8 @@ def test_zigzag_names_each_wrong_answer(answer, fragments):
 
 # ----------------------------------------------------------------------------- the busiest rank's share, measured
 
-def test_the_share_is_measured_from_the_ring_steps_work():
+def test_the_share_is_measured_on_ranks_from_the_ring_steps_work():
+    """4 gloo ranks run ring attention and count their causal entries: rank 3 holds positions 192..255."""
     from parallel_lib.exercises.ch11 import measured_shares
     shares = measured_shares()
     contiguous, zigzag = shares["contiguous"], shares["zigzag"]
@@ -127,6 +128,9 @@ def test_the_share_is_measured_from_the_ring_steps_work():
     (7, "the busiest rank's work over the idlest's"),
     (43.75, "a fraction between 0 and 1, not per cent"),
     (0.3, "the last rank's queries are the latest positions"),
+    (1 / 16, "that is rank 0's share, the idlest"),
+    (0.5, "you let each of the last rank's s/cp queries see all s keys"),
+    (64 * 256 / 32896, "under the causal mask the query at position p sees p + 1"),
     (0.6, "add p + 1 over the last rank's"),
     (None, "BUSIEST_SHARE is not answered yet"),
     ("7/16", "BUSIEST_SHARE = '7/16', but the answer must be a number"),
@@ -134,7 +138,8 @@ def test_the_share_is_measured_from_the_ring_steps_work():
 def test_busiest_share_answers(answer, fragment):
     result = exercises.check_busiest_share(answer)
     if fragment is None:
-        assert result.passed and "measured 0.4368 for rank 3 of 4" in result.message, result.message
+        assert result.passed and "measured on 4 gloo ranks, 0.4368 for rank 3 of 4" in result.message, result.message
+        assert "zig-zag's ranks: 0.2500, 0.2500, 0.2500, 0.2500" in result.message, result.message
     else:
         assert not result.passed and fragment in result.message, result.message
 
@@ -149,6 +154,7 @@ def test_hidden_solutions_leave_the_chapter_11_checkers_running(monkeypatch):
     import parallel_lib.exercises as package
     from parallel_lib.exercises._core import HIDDEN
     modules = ["ch11", "ch11_merge"]
+    measured = sys.modules["parallel_lib.exercises.ch11"].measured_shares   # the ranks' counts, measured once
     monkeypatch.setitem(sys.modules, "parallel_lib.exercises.solutions", None)  # import now fails, as when deleted
     for name in modules:
         monkeypatch.delitem(sys.modules, f"parallel_lib.exercises.{name}")
@@ -159,6 +165,7 @@ def test_hidden_solutions_leave_the_chapter_11_checkers_running(monkeypatch):
     assert all(item.solution is HIDDEN for item in fresh.EXERCISES)
     assert fresh.check_zigzag_positions(_zigzag()).passed
     assert "one too far" in fresh.check_zigzag_positions(_zigzag(chunks_of_rank="rank, 2 * cp - rank")).message
+    monkeypatch.setattr(fresh, "measured_shares", measured)
     assert fresh.check_busiest_share(0.4375).passed
     assert "not written yet" in fresh.check_merge_attention(notebook_function(
         "def merge_attention(out_a, lse_a, out_b, lse_b):\n    ...\n")).message

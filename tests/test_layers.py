@@ -11,8 +11,8 @@ bottom). A module may import
 
 - anything from its own unit, and from every unit of a lower layer;
 - from another unit of its *own* layer only where :data:`SIDEWAYS` names the pair. Today that is
-  two pairs of layer 3, where chapters 06 and 07 reuse chapter 02's ring (``sharding/`` takes
-  the ring's halves for ZeRO, ``tensor_parallel/`` the ring's cost), one of layer 0
+  one pair of layer 3, where chapter 06 reuses chapter 02's ring (``sharding/`` takes
+  the ring's halves for ZeRO), one of layer 0
   (``cost/`` checks its arguments with ``common/``'s checks), and one of layer 5, where
   chapter 13's ``serving/`` takes chapter 09's requests, results and sampling from ``inference/``
   (so both engines give a request the same tokens); every other pair of layers
@@ -60,7 +60,6 @@ TOP = max(LAYERS.values())
 SIDEWAYS = {
     ("cost", "common"): "the cost formulas check their arguments with common.checks' one message format",
     ("sharding", "data_parallel"): "ZeRO's ring collectives are chapter 02's ring halves",
-    ("tensor_parallel", "data_parallel"): "TP's α–β cost reuses the ring's cost model",
     ("serving", "inference"): "chapter 13 serves chapter 09's requests and results, sampled by the same rule",
 }
 

@@ -16,14 +16,15 @@ from parallel_lib.model_parallel.memory import activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight
-from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed, fit_alpha_beta, hops
+from parallel_lib.cost.alpha_beta import KINDS, AlphaBeta, fit_alpha_beta, hops
+from parallel_lib.planner.calibrate import Calibration, RankSpeed
 from parallel_lib.planner.calibration_cache import cache_path, load_calibration
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Layout, StepCost, _simulated, price, rank_parameters
 from parallel_lib.planner.model_step import solve_step_cost
 from parallel_lib.planner.published import RUNS
 from parallel_lib.planner.search import plan_layouts
-from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.cost.alpha_beta import ring_wire_bytes
 from parallel_lib.sharding.memory import zero_memory
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, training_flops
 

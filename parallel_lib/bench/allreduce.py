@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import math
 
-import argparse
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from parallel_lib.bench import repeats
+from parallel_lib.bench import REPEATS, parse_config
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import DeviceClock
@@ -169,15 +168,7 @@ def markdown(results: Results) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench allreduce", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three sizes up to 1 MB, 3 repeats: a smoke run")
-    parser.add_argument("--world-size", type=int, help="ranks (default 2)")
-    parser.add_argument("--repeats", type=repeats, help="timed repeats per size and variant (median is reported)")
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else Config()
-    if args.world_size is not None:
-        config = replace(config, world_size=args.world_size)
-    if args.repeats is not None:
-        config = replace(config, repeats=args.repeats)
+    config, _ = parse_config(argv, "allreduce", __doc__, QUICK, Config, "three sizes up to 1 MB, 3 repeats: a smoke run",
+                             [("--world-size", {"type": int, "help": "ranks (default 2)"}), REPEATS])
     print(markdown(measure(config)))
     return 0

@@ -32,7 +32,7 @@ from parallel_lib.context_parallel.cost import attention_saved_bytes, cp_wire_by
 from parallel_lib.context_parallel.measure import (RingStepMeasured, Shape, measure_on_ranks, measure_one_process,
                                                    measure_ring_steps, measured_hiding_seq_len, rank_rows)
 from parallel_lib.context_parallel.verify import several
-from parallel_lib.planner.calibrate import fit_alpha_beta
+from parallel_lib.cost.alpha_beta import fit_alpha_beta
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
 from parallel_lib.tensor_parallel.cost import NVLINK_H100

@@ -20,11 +20,10 @@ variants of ``world_size`` ranks share one launch per repeat.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from parallel_lib.bench import repeats
+from parallel_lib.bench import REPEATS, parse_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.training import busy_machine_warning
 from parallel_lib.runtime.device import rank_device
@@ -158,15 +157,9 @@ def markdown(results: Results, targets: bool = True) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench dp", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny batches, a few steps, 1 repeat: a smoke run")
-    parser.add_argument("--world-size", type=int, help="ranks (default 2)")
-    parser.add_argument("--repeats", type=repeats, help="repeats per variant (median is reported)")
-    parser.add_argument("--model", help="GPT-2 size (default tiny on every device; gpt2 is the real 124M shape)")
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else Config()
-    for name in ("world_size", "repeats", "model"):
-        if getattr(args, name) is not None:
-            config = replace(config, **{name: getattr(args, name)})
+    config, _ = parse_config(argv, "dp", __doc__, QUICK, Config, "tiny batches, a few steps, 1 repeat: a smoke run",
+                             [("--world-size", {"type": int, "help": "ranks (default 2)"}), REPEATS,
+                              ("--model", {"help": "GPT-2 size (default tiny on every device; gpt2 is the real 124M "
+                                                   "shape)"})])
     print(markdown(measure(config)))
     return 0

@@ -20,10 +20,10 @@ all-to-all bytes per GPU and step. Small models on a CPU: the times are indicati
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from parallel_lib.bench import parse_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.cost.moe import DEEPSEEK_V3, MIXTRAL_8X7B, MoEShape, ep_traffic, moe_memory, moe_step_traffic
 from parallel_lib.cost.units import GB, GiB
@@ -157,8 +157,6 @@ def markdown(rows: Sequence[Row], compute: Sequence[tuple[int, int, int, dict[st
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench moe", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 experts on 2 ranks, 2 steps: a smoke run")
-    args = parser.parse_args(argv)
-    print(markdown(*measure(QUICK if args.quick else Config())))
+    config, _ = parse_config(argv, "moe", __doc__, QUICK, Config, "4 experts on 2 ranks, 2 steps: a smoke run")
+    print(markdown(*measure(config)))
     return 0

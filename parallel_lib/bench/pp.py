@@ -19,12 +19,11 @@ is kept, so a neighbour's load spreads over all of them alike.
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import replace
+
 
 import torch
 
-from parallel_lib.bench import repeats
+from parallel_lib.bench import REPEATS, parse_config
 from parallel_lib.bench._pp_runs import BUSY_CEILING, P, QUICK, RUNNERS, Config, Results, make_stages, run
 from parallel_lib.common.tables import markdown_table
 
@@ -89,15 +88,8 @@ def markdown(results: Results) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench pp", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats: a smoke run")
-    parser.add_argument("--repeats", type=repeats, help="timed repeats per variant (median is reported)")
-    parser.add_argument("--no-processes", action="store_true", help="skip torch.distributed.pipelining")
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else Config()
-    if args.repeats is not None:
-        config = replace(config, repeats=args.repeats)
-    if args.no_processes:
-        config = replace(config, processes=False)
+    config, _ = parse_config(argv, "pp", __doc__, QUICK, Config, "tiny sizes, 2 repeats: a smoke run",
+                             [REPEATS, ("--no-processes", {"action": "store_false", "dest": "processes", "default": None,
+                                                           "help": "skip torch.distributed.pipelining"})])
     print(markdown(run(config)))
     return 0

@@ -21,17 +21,16 @@ Bubble convention: idle inside a rank's span / its work, max over ranks
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from parallel_lib.bench import repeats
+from parallel_lib.bench import REPEATS, parse_config
 from parallel_lib.common.tables import markdown_table
-from parallel_lib.pipeline_parallel import Pipe, make_schedule, stages_per_rank
+from parallel_lib.pipeline_parallel import Pipe, make_schedule
 from parallel_lib.pipeline_parallel.process import ProcessConfig, run_pipeline_ranks
 from parallel_lib.pipeline_parallel.simulator import bubbles, measured_costs, simulate_schedule
 from parallel_lib.pipeline_parallel.timeline_stats import dispatch_overheads
@@ -153,13 +152,7 @@ def markdown(measured: list[list[object]], simulated: list[list[object]], note: 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench schedules",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, m = 4, one repeat: a smoke run")
-    parser.add_argument("--repeats", type=repeats, help="timed repeats per schedule (median is reported)")
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else Config()
-    if args.repeats is not None:
-        config = replace(config, repeats=args.repeats)
+    config, _ = parse_config(argv, "schedules", __doc__, QUICK, Config, "tiny sizes, m = 4, one repeat: a smoke run",
+                             [REPEATS])
     print(markdown(*run(config)))
     return 0

@@ -17,10 +17,10 @@ run is a handful of steps: the tokens/s are indicative, not a throughput study.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from parallel_lib.bench import parse_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
@@ -159,8 +159,6 @@ def markdown(rows: Sequence[Row], machine: str = "") -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench sharding", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 and 2 ranks, 2 steps: a smoke run")
-    args = parser.parse_args(argv)
-    print(markdown(measure(QUICK if args.quick else Config())))
+    config, _ = parse_config(argv, "sharding", __doc__, QUICK, Config, "tiny model, 1 and 2 ranks, 2 steps: a smoke run")
+    print(markdown(measure(config)))
     return 0

@@ -17,17 +17,16 @@ two GPT-2 blocks, 2 sequences of 64 tokens), repeats interleaved, medians:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from parallel_lib.bench import repeats
+from parallel_lib.bench import REPEATS, parse_config
 from parallel_lib.common.models import gpt2_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.models.attention import allowed_keys
@@ -177,14 +176,8 @@ def markdown(costs_rows: list[list[object]], step_rows: list[list[object]], conf
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench split_backward",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="width 32, two repeats: a smoke run")
-    parser.add_argument("--repeats", type=repeats, help="timed repeats per cost (median is reported)")
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else Config()
-    if args.repeats is not None:
-        config = replace(config, repeats=args.repeats)
+    config, _ = parse_config(argv, "split_backward", __doc__, QUICK, Config, "width 32, two repeats: a smoke run",
+                             [REPEATS])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a shared machine a thread pool's waits would dominate these small products
     try:

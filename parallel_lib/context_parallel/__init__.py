@@ -13,8 +13,9 @@ Beside PyTorch: ``torch.distributed.tensor.experimental.context_parallel`` (torc
 on a CPU. It shards the buffers, then reaches attention through SDPA's DTensor dispatch, which has
 sharding rules for the CUDA kernels (flash, memory-efficient, cuDNN) only; the CPU's
 ``aten._scaled_dot_product_flash_attention_for_cpu`` has none, so it raises ``NotImplementedError``
-(pinned by a test). On GPUs ``python -m parallel_lib.check_gpu --only context_parallel`` runs it on
-the same inputs as ours and prints both (:func:`.verify.torch_context_parallel_check`).
+(pinned by a test). On GPUs ``python -m parallel_lib.check_gpu --only context_parallel`` runs it and
+our ring on the same inputs and compares each with SDPA and with the other
+(:func:`.verify.torch_context_parallel_check`).
 """
 
 from parallel_lib.context_parallel.cost import (METHODS, RingStepTime, WireBytes, attention_saved_bytes, cp_wire_bytes,

@@ -7,7 +7,7 @@ the mesh's ``cp`` group and returns, per case, the largest differences of its ou
 gradients from the same shard of the reference, the work it did, the bytes it sent (forward
 and backward, from the collective counter) and the bytes it kept for backward (the census).
 :func:`gpt2_check` does the same for the whole model (:mod:`.parallelize`), and
-:func:`torch_context_parallel_check` runs PyTorch's own context parallelism where it can.
+:func:`torch_context_parallel_check` runs PyTorch's own context parallelism beside ours where it can.
 Several checks share one launch (:func:`several`): starting ranks costs more than they do.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from parallel_lib.common.activations import SavedTensors
 from parallel_lib.common.checks import check_choice
 from parallel_lib.context_parallel.cost import METHODS
-from parallel_lib.context_parallel.layout import LAYOUTS, shard_sequence
+from parallel_lib.context_parallel.layout import LAYOUTS, gather_sequence, shard_sequence
 from parallel_lib.context_parallel.parallelize import cp_shard, parallelize_cp
 from parallel_lib.context_parallel.ring import ring_attention
 from parallel_lib.context_parallel.tiled import TileWork, full_attention
@@ -33,6 +33,7 @@ from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.models.gpt2 import build_model
 from parallel_lib.runtime.mesh import Mesh
+from parallel_lib.runtime.waiting import wait_for
 
 __all__ = ["Case", "CaseResult", "attention_check", "stalled_peer_check", "gpt2_check", "cp_dp_training_check",
            "torch_context_parallel_check", "several"]
@@ -233,14 +234,21 @@ def cp_dp_training_check(rank: int, world_size: int, steps: int = 3, seq_len: in
     return {"loss": worst_loss, "parameters": worst}
 
 
-def torch_context_parallel_check(rank: int, world_size: int, seq_len: int = 16) -> dict[str, Any]:
-    """PyTorch's own ``context_parallel`` on causal SDPA, against one process, where it runs.
+def torch_context_parallel_check(rank: int, world_size: int, seq_len: int = 16,
+                                 timeout: float = 60.0) -> dict[str, Any]:
+    """PyTorch's own ``context_parallel`` on causal SDPA beside ours, on the same inputs, where it runs.
+
+    Every rank draws the same whole q, k, v (one seed). Ours: this rank's zig-zag shard through
+    :func:`~parallel_lib.context_parallel.ring.ring_attention`, every rank's output all-gathered and
+    put back in sequence order. PyTorch's: ``context_parallel`` shards the buffers (its own
+    load-balanced order), SDPA runs inside it, ``context_parallel_unshard`` gathers the output.
 
     Returns:
-        ``{"ran": True, "output": largest difference}``, or ``{"ran": False, "error": the message}``
-        where PyTorch refuses: its context parallelism intercepts the CUDA SDPA kernels (flash,
-        memory-efficient, cuDNN); on a CPU, SDPA calls ``_scaled_dot_product_flash_attention_for_cpu``,
-        which has no sharding rule (torch 2.13).
+        ``{"ours": largest difference of our whole output from SDPA in one process, "ran": True,
+        "output": PyTorch's from SDPA, "beside_ours": PyTorch's from ours}``, or, where PyTorch
+        refuses, ``{"ours": ..., "ran": False, "error": its message}``: its context parallelism
+        intercepts only the CUDA SDPA kernels (flash, memory-efficient, cuDNN); on a CPU, SDPA calls
+        ``_scaled_dot_product_flash_attention_for_cpu``, which has no sharding rule (torch 2.13).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -251,14 +259,24 @@ def torch_context_parallel_check(rank: int, world_size: int, seq_len: int = 16) 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, seq_len, 8, generator=gen).to(device) for _ in range(3))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    group = mesh.get_group("cp")
+    index = dist.get_rank(group)
+    mine = ring_attention(*(shard_sequence(t, world_size, index, "zigzag", dim=2) for t in (q, k, v)), group,
+                          causal=True, layout="zigzag", block=8, timeout=timeout).contiguous()
+    shards = [torch.empty_like(mine) for _ in range(world_size)]
+    wait_for(dist.all_gather(shards, mine, group=group, async_op=True), timeout,
+             f"rank {rank}: the other ranks' ring attention outputs")
+    ours = gather_sequence(shards, "zigzag", dim=2)
+    found: dict[str, Any] = {"ours": float((ours - expected).abs().max())}
     buffers = [t.clone() for t in (q, k, v)]
     try:
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
             out = torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
         (whole,) = context_parallel_unshard(mesh, [out], [2])
     except (NotImplementedError, RuntimeError) as error:   # a refusal, reported beside ours (GPU check, test)
-        return {"ran": False, "error": f"{type(error).__name__}: {error}"}
-    return {"ran": True, "output": float((whole - expected).abs().max())}
+        return {**found, "ran": False, "error": f"{type(error).__name__}: {error}"}
+    return {**found, "ran": True, "output": float((whole - expected).abs().max()),
+            "beside_ours": float((whole - ours).abs().max())}
 
 
 def several(rank: int, world_size: int, jobs: Sequence[tuple[Callable[..., Any], tuple]]) -> list[Any]:

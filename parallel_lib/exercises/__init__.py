@@ -98,3 +98,9 @@ __all__ += ["check_merge_attention", "check_zigzag_positions", "check_busiest_sh
 _CHECKERS.update({"check_dispatch_rows": "ch12", "check_combine_rows": "ch12", "check_balance_effect": "ch12"})
 CHAPTERS = CHAPTERS + ("12",)
 __all__ += ["check_dispatch_rows", "check_combine_rows", "check_balance_effect"]
+
+# chapter 10b, the bug hunt (appended: the registries above stay as they were)
+_CHECKERS.update({"check_bug_hunt_1": "ch10b", "check_bug_hunt_2": "ch10b", "check_bug_hunt_3": "ch10b",
+                  "check_diagnosis": "ch10b"})
+CHAPTERS = CHAPTERS + ("10b",)
+__all__ += ["check_bug_hunt_1", "check_bug_hunt_2", "check_bug_hunt_3", "check_diagnosis"]

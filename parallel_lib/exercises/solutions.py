@@ -27,7 +27,8 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "linear_weight_grad", "interleaved_bubble", "SCHEDULE_LAB", "REPAIR_DEADLOCK",
            "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT",
            "merge_attention", "zigzag_positions", "BUSIEST_SHARE",
-           "dispatch_rows", "combine_rows", "BALANCE_EFFECT"]
+           "dispatch_rows", "combine_rows", "BALANCE_EFFECT",
+           "BUG_HUNT_1", "BUG_HUNT_2", "BUG_HUNT_3"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -378,3 +379,23 @@ def combine_rows(back, token, slot, weights, n_tokens):
 # without capacity every choice is computed (64 rows), the busiest expert falls from 63 to ~18;
 # with capacity 1.0 the busiest stays at its 16 slots, and the dropped choices (47 of 64) become rows again
 BALANCE_EFFECT = dict(no_capacity="busiest", capacity="total")
+
+
+# --------------------------------------------------------------------------- chapter 10b
+# (each read from hunt("B") ... hunt("H"), then from the code that only the broken layouts run)
+BUG_HUNT_1 = {
+    "B": dict(where="parallel_lib.training.tp_stage.stage_loss", breaks=["tp2, m=2", "tp2+sp, m=2"]),
+    "C": dict(where="parallel_lib.training.stage_gradients.reduce_stage_gradients",
+              breaks=["pp2 1f1b, m=2", "pp2 gpipe, m=1"]),
+}
+BUG_HUNT_2 = {
+    "D": dict(where="parallel_lib.pipeline_parallel.runtime.RankStages.forward",
+              breaks=["dp2, m=2", "dp2 zero3, m=2", "tp2, m=2", "tp2+sp, m=2", "pp2 1f1b, m=2"]),
+    "E": dict(where="parallel_lib.tensor_parallel.parallelize.split_block", breaks=["tp2, m=2", "tp2+sp, m=2"]),
+    "F": dict(where="parallel_lib.sharding.layers.StageThreeHooks._before_backward", breaks=["dp2 zero3, m=2"]),
+}
+BUG_HUNT_3 = {
+    "G": dict(where="parallel_lib.training.step.pipeline_step",
+              breaks=["dp2, m=2", "dp2 zero1, m=1", "dp2 zero3, m=2", "tp2, m=2", "tp2+sp, m=2", "pp2 1f1b, m=2"]),
+    "H": dict(where="parallel_lib.tensor_parallel.parallelize.parallelize_tp", breaks=["tp2+sp, m=2"]),
+}

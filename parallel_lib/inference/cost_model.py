@@ -23,7 +23,7 @@ Per strategy on ``n`` devices, with ``step(b)`` the whole model's step for a bat
   token takes ``n`` stage times and the stages work on different groups at once: throughput rises
   only once ``C >= n``, and one request's latency is never below ``step(1)``;
 - **tp**: every device does ``1/n`` of every layer, plus two all-reduces of ``b · h`` values per layer
-  and token (the α–β model of :func:`parallel_lib.data_parallel.ring_cost.allreduce_cost`): lower
+  and token (the α–β model of :func:`parallel_lib.cost.alpha_beta.allreduce_cost`): lower
   per-token latency only where a layer's compute outweighs two all-reduces.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
-from parallel_lib.data_parallel.ring_cost import allreduce_cost
+from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.inference.serving_memory import STRATEGIES, as_shape, kv_cache_bytes, serving_memory
 from parallel_lib.model_parallel.layer_memory import DecoderShape, layer_parameters
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, GiB

@@ -35,6 +35,7 @@ from typing import Iterable, Optional
 import torch
 
 from parallel_lib.common.checks import positive_int
+from parallel_lib.cost.kv_cache import kv_bytes
 
 __all__ = ["KVCache", "CacheStep", "kv_cache_bytes"]
 
@@ -44,7 +45,7 @@ def kv_cache_bytes(n_layer: int, heads: int, head_dim: int, max_len: int, batch:
     for name, value in dict(n_layer=n_layer, heads=heads, head_dim=head_dim, max_len=max_len, batch=batch,
                             itemsize=itemsize).items():
         positive_int(name, value)
-    return 2 * n_layer * heads * head_dim * max_len * batch * itemsize
+    return kv_bytes(n_layer, heads, head_dim, max_len * batch, itemsize)
 
 
 class KVCache:

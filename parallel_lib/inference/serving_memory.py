@@ -3,7 +3,7 @@
 Training memory is dominated by optimizer states (chapter 03); serving memory by two things only:
 the weights, held once per replica, and the KV cache, which grows by
 ``2 · layers · kv_heads · head_dim · bytes`` with every token of every request in flight
-(:func:`~parallel_lib.model_parallel.layer_memory.kv_cache_bytes_per_token`). What is left of a
+(:func:`~parallel_lib.cost.kv_cache.kv_bytes`, the course's one KV formula). What is left of a
 device after the weights, divided by one request's cache, is how many requests it can serve at once:
 the number that decides a server's throughput.
 
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel_lib.common.checks import check_choice, check_int, positive_int, positive_number
+from parallel_lib.cost.kv_cache import kv_bytes
 from parallel_lib.model_parallel.device_map import get_device_map
-from parallel_lib.model_parallel.layer_memory import (DECODER_SHAPES, DecoderShape, device_bytes,
-                                                       kv_cache_bytes_per_token, layer_parameters)
+from parallel_lib.model_parallel.layer_memory import DECODER_SHAPES, DecoderShape, device_bytes, layer_parameters
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, GiB
 
 __all__ = ["STRATEGIES", "decoder_shape", "as_shape", "kv_heads_per_rank", "kv_cache_bytes", "weights_per_device",
@@ -102,9 +102,7 @@ def kv_cache_bytes(model: Any, tokens: int, dtype: str = "fp16", tp: int = 1, la
     tokens = check_int("tokens", tokens, minimum=0)
     layers = s.n_layers if layers is None else check_int("layers", layers, minimum=0, maximum=s.n_layers)
     width = DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
-    if tp == 1 and layers == s.n_layers:  # the published formula, kept in one place
-        return kv_cache_bytes_per_token(s, dtype) * tokens
-    return 2 * layers * kv_heads_per_rank(s, tp) * s.head_dim * width * tokens
+    return kv_bytes(layers, kv_heads_per_rank(s, tp), s.head_dim, tokens, width)
 
 
 def _tp_parameters(s: DecoderShape, tp: int, vocab_parallel: bool = True) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from parallel_lib.common.checks import check_choice, check_number
+from parallel_lib.cost.kv_cache import kv_bytes
 from parallel_lib.model_parallel.memory import DTYPE_BYTES
 
 __all__ = ["DecoderShape", "DECODER_SHAPES", "layer_parameters", "device_bytes", "pack_layers", "pack_layer_bytes",
@@ -154,4 +155,4 @@ def kv_cache_bytes_per_token(model: str | DecoderShape, dtype: str = "fp16") -> 
     """
     s = _shape(model)
     width = DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
-    return 2 * s.n_layers * s.kv_heads * s.head_dim * width
+    return kv_bytes(s.n_layers, s.kv_heads, s.head_dim, 1, width)

@@ -13,7 +13,7 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
   batch sizes and splits it into a fixed cost per block and micro-batch and a FLOP rate;
 - **communication**: an α–β fit per collective — all-reduce, reduce-scatter, all-gather and
   send/recv — of ``t = hops·α + wire_bytes/β`` (hops: ring steps; wire bytes: what one rank
-  sends, :func:`parallel_lib.runtime.collectives.ring_wire_bytes`), timed on this machine's gloo ranks;
+  sends, :mod:`parallel_lib.cost.alpha_beta`, the course's one α–β model), timed on this machine's gloo ranks;
 - bubbles come from the schedule simulator, not from here.
 
 ``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine
@@ -38,60 +38,16 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel_lib.common.checks import check_choice, check_int, positive_int
+from parallel_lib.common.checks import check_choice, check_int
 from parallel_lib.common.machine_speed import measure_machine_speed
-from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.cost.alpha_beta import KINDS, AlphaBeta, fit_alpha_beta, hops
 from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
 
 __all__ = ["KINDS", "AlphaBeta", "RankSpeed", "Calibration", "hops", "fit_alpha_beta", "collective_worker",
            "calibrate", "check_world_sizes", "machine_key"]
-
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
 SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)  # 4 KiB .. 2 MiB: latency- to bandwidth-bound
-
-
-def hops(kind: str, group_size: int) -> int:
-    """Ring steps of a collective over ``group_size`` ranks: each costs one latency α."""
-    n = positive_int("group_size", group_size)
-    check_choice("kind", kind, KINDS)
-    return {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1, "send": 1}[kind]
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    """One collective's cost model: ``hops·alpha + wire_bytes/bandwidth`` seconds."""
-
-    alpha: float          # seconds per ring step (latency)
-    bandwidth: float      # bytes per second one rank sends
-
-    def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
-        """Time of one ``kind`` collective of ``nbytes`` (the message, as the counter records it)."""
-        if group_size < 2 or nbytes <= 0:
-            return 0.0
-        return hops(kind, group_size) * self.alpha + ring_wire_bytes(kind, nbytes, group_size) / self.bandwidth
-
-
-def fit_alpha_beta(kind: str, group_size: int, nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
-    """Least-squares α and β of ``t = hops·α + wire/β`` for one collective, weighting relative errors.
-
-    Raises:
-        ValueError: fewer than two distinct sizes, or times that do not grow with size.
-    """
-    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
-        raise ValueError(f"need matching sizes and times with >= 2 distinct sizes, got {len(nbytes)} sizes and "
-                         f"{len(seconds)} times")
-    # host arithmetic, whatever the default device
-    wire = torch.tensor([ring_wire_bytes(kind, s, group_size) for s in nbytes], dtype=torch.float64, device="cpu")
-    y = torch.tensor(list(seconds), dtype=torch.float64, device="cpu")
-    design = torch.stack([wire, torch.full_like(wire, float(hops(kind, group_size)))], dim=1)
-    slope, alpha = torch.linalg.lstsq(design / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0].tolist()
-    if slope <= 1e-13:  # a loaded machine (no growth, or faster than 10 TB/s): fall back on the two extreme sizes
-        rise = (y[-1] - y[0]).item()
-        slope = rise / (wire[-1] - wire[0]).item() if rise > 0 else y[-1].item() / wire[-1].item()
-        alpha = y[0].item() / hops(kind, group_size)
-    return AlphaBeta(max(alpha, 0.0), 1.0 / slope)
 
 
 @dataclass(frozen=True)

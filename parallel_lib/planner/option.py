@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from parallel_lib.common.checks import positive_int
-from parallel_lib.data_parallel.ring import allreduce_cost
+from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.model_parallel.memory import GiB
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import math
 from typing import Optional
 
 from parallel_lib.common.checks import positive_int
-from parallel_lib.data_parallel.ring import allreduce_cost
+from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.model_parallel.memory import (DTYPE_BYTES, OPTIMIZER_STATES, GiB, ModelShape, activation_memory,
                                                 training_memory)
 from parallel_lib.planner.option import Option, ring_bytes

@@ -9,7 +9,7 @@ reasoned rather than guessed. It adds no formula of its own; it combines:
   (what the busiest stage keeps for backward);
 - idle time: :func:`parallel_lib.pipeline_parallel.schedule.bubble_fraction` (model parallelism
   is a pipeline with one micro-batch, so its bubble is ``(p - 1) / p``);
-- communication: :func:`parallel_lib.data_parallel.ring.allreduce_cost` for the gradients, plus the
+- communication: :func:`parallel_lib.cost.alpha_beta.allreduce_cost` for the gradients, plus the
   hidden states that cross each stage boundary forward and their gradients backward.
 
 Communication is in bytes each device *sends* per step (the busiest device);
@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 from parallel_lib.common.checks import positive_int, positive_number
-from parallel_lib.data_parallel.ring import allreduce_cost
+from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.model_parallel.memory import (
     DTYPE_BYTES,
     MODEL_SHAPES,

@@ -63,6 +63,7 @@ except ImportError:  # torch 2.4
     from torch.distributed._tensor.debug import CommDebugMode  # type: ignore[no-redef]
     from torch.distributed._tensor.debug import comm_mode as _comm_debug  # type: ignore[no-redef]
 
+from parallel_lib.cost.alpha_beta import ring_wire_bytes
 from parallel_lib.runtime.guard import install as install_guard
 from parallel_lib.runtime.guard import StandIn, torch_ops
 
@@ -78,21 +79,6 @@ class CollectiveCall:
     group_size: int    # N, ranks taking part (2 for send/recv)
     wire_bytes: float  # bytes this rank sends under the ring algorithm
     ranks: tuple[int, ...] = ()  # global ranks of the group (empty: the default group)
-
-
-def ring_wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
-    """Bytes one rank sends for a collective of ``nbytes`` over ``group_size`` ranks (ring algorithm).
-
-    For a broadcast this is the source's share; the counter records 0 on the other ranks.
-    """
-    n = group_size
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
-    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) / n * nbytes
-    if kind in ("send", "broadcast"):
-        return float(nbytes)
-    return 0.0
 
 
 @dataclass

@@ -5,6 +5,8 @@
 - :mod:`.block_manager`: block tables, reference counts, the free list;
 - :mod:`.scheduler`: iteration-level batching with admission and preemption by recompute;
 - :mod:`.engine`: the one GPT-2 run over them, step by step, with a record of every step;
+- :mod:`.tensor_parallel_engine`: the engine on tp ranks, each with its heads of the weights and of the pool, and
+  :mod:`.replicas`: N replica engines behind one router (both imported from their modules);
 - :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
 - :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching;
 - :mod:`.layout`: one step's batch over the block tables, flat or padded, built with tensor operations;
@@ -13,9 +15,12 @@
 - :mod:`.frontend`: one engine thread stepping, many client threads submitting, a queue of updates each;
 - :mod:`.completion_request`: what a completion request's body may hold, checked field by field;
 - :mod:`.http`: ``POST /v1/completions`` in OpenAI's shape (streamed as server-sent events), on 127.0.0.1;
-- :mod:`.load`: a load generator driving it as concurrent clients do (throughput, TTFT, TPOT).
+- :mod:`.load`: a load generator driving it as concurrent clients do (throughput, TTFT, TPOT);
+- :mod:`.goodput`: requests per second that met a TTFT and a TPOT target;
+- :mod:`.kv_transfer`: one sequence's KV blocks from one pool to another, in batched point-to-point messages;
+- :mod:`.disaggregated`: prefill ranks and decode ranks, the blocks sent between them, against one engine.
 
-The last four are imported from their modules (``python -m parallel_lib.serving.http`` runs the server).
+The last seven are imported from their modules (``python -m parallel_lib.serving.http`` runs the server).
 """
 
 from parallel_lib.serving.block_manager import BlockManager, blocks_for

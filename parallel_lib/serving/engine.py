@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq
 
 import torch
 
@@ -134,7 +134,8 @@ class ServingEngine:
         self.device = param.device
         self.n_positions, self.vocab_size = config.n_positions, config.vocab_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(range(config.n_layer), num_blocks, block_size, config.n_head,
+        tp = getattr(getattr(self.model, "tp_info", None), "tp", 1)  # a tensor-parallel shard: n_head / tp heads
+        self.cache = PagedKVCache(range(config.n_layer), num_blocks, block_size, config.n_head // tp,
                                   config.n_embd // config.n_head, param.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, positive_int("max_batch", max_batch), max_step_tokens)
         self.block_size = block_size
@@ -144,6 +145,8 @@ class ServingEngine:
         self.steps = 0          # steps run so far (records may keep fewer)
         self.preemptions = 0    # sequences preempted so far (each counted once per preemption)
         self.results: dict[int, Result] = {}
+        # called with each sequence as it finishes, before its blocks are freed (a prefill rank ships them from here)
+        self.on_finish: Optional[Callable[[Sequence], None]] = None
         self._t0 = time.perf_counter()
 
     @property
@@ -191,9 +194,45 @@ class ServingEngine:
             return index
         result = Result(index, arrival=arrival, served_by=str(self.device))
         self.results[index] = result
-        kind = Sequence if self.drafter is None else SpeculativeSequence
-        self.scheduler.add(kind(index, request, result, generator=torch.Generator().manual_seed(request.seed)))
+        self.scheduler.add(self._sequence(index, request, result, 0, torch.Generator().manual_seed(request.seed)))
         return index
+
+    def adopt(self, request: Request, index: int, arrival: float, token: int, token_time: float,
+              generator: torch.Generator) -> Optional[list[int]]:
+        """Continue request ``index``, whose prompt another engine prefilled and whose first token it sampled.
+
+        Prefill/decode disaggregation (:mod:`.disaggregated`): the sequence joins the batch with blocks for its
+        prompt, whose keys and values the caller writes there (:func:`.kv_transfer.scatter_blocks`) before the
+        next step; that step feeds its first token.
+
+        Args:
+            request: what was asked (checked as :meth:`add` checks it).
+            index: its index (names its result); must be new.
+            arrival: its arrival, on this engine's clock.
+            token, token_time: the first token and when it came (this engine's clock).
+            generator: its random stream after the first token was drawn.
+
+        Returns:
+            its block table here; None, changing nothing, when the batch or the pool has no room now.
+
+        Raises:
+            TypeError, ValueError: as :meth:`add`.
+        """
+        check_requests([request], self.n_positions)
+        if index in self.results:
+            raise ValueError(f"index={index} is already a request of this engine; give each request its own index")
+        result = Result(index, [token], arrival=arrival, token_times=[token_time], served_by=str(self.device))
+        if not self.scheduler.adopt(self._sequence(index, request, result, len(request.prompt), generator)):
+            return None
+        self.results[index] = result
+        return self.blocks.table(index)
+
+    def _sequence(self, index: int, request: Request, result: Result, computed: int,
+                  generator: torch.Generator) -> Sequence:
+        """The scheduler's sequence of a request; with a draft, one that tracks the draft's pool too (which holds
+        none of its tokens yet: an adopted prompt's keys came for the target only, the draft computes its own)."""
+        kind = Sequence if self.drafter is None else SpeculativeSequence
+        return kind(index, request, result, computed, generator=generator)
 
     def idle(self) -> bool:
         """Nothing waiting or running."""
@@ -286,6 +325,8 @@ class ServingEngine:
                 self.blocks.truncate(seq.id, seq.computed)  # blocks for its accepted length: the lookahead goes back
             tables[seq.id] = self.blocks.table(seq.id)
             if not chunk and seq.finished():
+                if self.on_finish is not None:
+                    self.on_finish(seq)
                 self.scheduler.finish(seq)
                 finished.append(seq.id)
         record = StepRecord(self.steps, prefill, decode, plan.admitted, plan.preempted, finished, tables,

@@ -171,6 +171,22 @@ class Scheduler:
         return Scheduled(batch, [s.computed for s in batch], [s.computed + feed[s.id] for s in batch], admitted,
                          preempted)
 
+    def adopt(self, seq: Sequence) -> bool:
+        """Put ``seq`` straight into the batch: its first ``seq.computed`` tokens' keys and values were computed
+        elsewhere (a prefill rank's, :mod:`.disaggregated`) and get blocks here now; its next step feeds the rest.
+
+        Returns:
+            False, changing nothing, while a sequence waits (none is overtaken), the batch is full or the blocks
+            are short: try again after a step.
+        """
+        held = seq.tokens[:seq.computed]
+        if self.waiting or len(self.running) >= self.max_batch or not self.blocks.can_allocate(held):
+            return False
+        self.blocks.allocate(seq.id, held)
+        seq.order, self._admissions = self._admissions, self._admissions + 1
+        self.running.append(seq)
+        return True
+
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done: free its blocks and drop it from the batch."""
         self.blocks.free(seq.id)

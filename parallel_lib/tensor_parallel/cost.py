@@ -3,7 +3,7 @@
 The formulas here are checked against what the code does: :func:`step_collectives`
 against :func:`parallel_lib.runtime.count_collectives` on every rank,
 :func:`shard_parameters` against the shard's parameters. The time model is the course's
-α–β model (:func:`parallel_lib.data_parallel.ring.allreduce_cost`): each collective costs
+α–β model (:func:`parallel_lib.cost.alpha_beta.allreduce_cost`): each collective costs
 a latency per ring step plus its bytes over the bandwidth, and the compute divides by t.
 
 Per block and pass, with (b, s, h) activations of ``e`` bytes per element:
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from parallel_lib.common.checks import check_number, positive_int
-from parallel_lib.data_parallel.ring import allreduce_cost
-from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.cost.alpha_beta import allreduce_cost
+from parallel_lib.cost.alpha_beta import wire_bytes
 
 __all__ = ["GPTShape", "layer_collectives", "step_collectives", "wire_bytes", "shard_parameters",
            "activation_bytes", "training_flops", "collective_seconds", "step_seconds", "crossover_width",
@@ -154,11 +154,6 @@ def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_pa
         h = shape.n_embd
         _add(total, "all_reduce", 1, (shape.n_layer * 6 * h + 2 * h + shape.n_positions * h) * e)
     return total
-
-
-def wire_bytes(collectives: Collectives, tp: int) -> float:
-    """Bytes one rank sends for ``collectives`` under the ring algorithm."""
-    return sum(ring_wire_bytes(kind, nbytes, tp) for kind, (_, nbytes) in collectives.items())
 
 
 def shard_parameters(shape: GPTShape, tp: int) -> int:

@@ -65,13 +65,15 @@ def tp_group_of(mesh_or_group: Any) -> Any:
     return mesh_or_group
 
 
-def check_tp_split(model: Any, group: Any) -> int:
+def check_tp_split(model: Any, group: Any, vocab_parallel: bool = True) -> int:
     """The tensor-parallel size for splitting ``model`` over ``group``, after checking both.
+
+    ``vocab_parallel=False`` (the embedding and the head stay whole) needs no divisible vocabulary.
 
     Raises:
         TypeError: ``model`` is not the one :class:`~parallel_lib.models.GPT2`.
         ValueError: ``model`` is already split; this rank is not in ``group``; heads, MLP width
-            or vocabulary not divisible by the group's size.
+            or vocabulary (when split) not divisible by the group's size.
     """
     if not isinstance(model, GPT2):
         raise TypeError(f"model must be the one GPT2 (parallel_lib.models.build_model, or from_hf of a Hugging "
@@ -85,7 +87,8 @@ def check_tp_split(model: Any, group: Any) -> int:
     tp, config = R.group_size(group), model.config
     check_divisible("n_head", config.n_head, tp, hint="choose a tensor-parallel size that divides the number of heads")
     check_divisible("n_inner", config.n_inner or 4 * config.n_embd, tp)
-    vocab_range(config.vocab_size, 0, tp)
+    if vocab_parallel:
+        vocab_range(config.vocab_size, 0, tp)
     return tp
 
 
@@ -150,7 +153,7 @@ def parallelize_tp(model: GPT2, mesh_or_group: Any, sequence_parallel: bool = Fa
         TypeError, ValueError: see :func:`check_tp_split`; ``sequence_parallel`` without ``vocab_parallel``.
     """
     group = tp_group_of(mesh_or_group)
-    tp = check_tp_split(model, group)
+    tp = check_tp_split(model, group, vocab_parallel)
     if sequence_parallel and not vocab_parallel:
         raise ValueError("sequence_parallel=True needs vocab_parallel=True (the vocabulary-parallel embedding "
                          "reduce-scatters the sequence); pass vocab_parallel=True")

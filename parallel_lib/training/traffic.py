@@ -54,7 +54,7 @@ import torch
 
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.cost.zero import zero_collectives
-from parallel_lib.runtime.collectives import ring_wire_bytes
+from parallel_lib.cost.alpha_beta import wire_bytes
 from parallel_lib.sharding.flat import make_buckets, padded_numel
 from parallel_lib.sharding.memory import zero_memory
 from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, shard_parameters
@@ -196,11 +196,6 @@ def expected_traffic(shape: GPTShape, dp: int, tp: int, pp: int, j: int, blocks:
     if pp > 1 and (first or last):  # the tied copy's group comes first
         _add(traffic["tied"], "all_reduce", 1, groups[0] // (dp if zero >= 1 else 1) * FLOAT)
     return traffic
-
-
-def wire_bytes(traffic: dict[str, tuple[int, int]], group_size: int) -> float:
-    """Bytes this rank sends for one group's collectives under the ring algorithm."""
-    return sum(ring_wire_bytes(kind, nbytes, group_size) for kind, (_, nbytes) in traffic.items())
 
 
 def state_bytes(groups: list[int], zero: int, dp: int) -> int:
