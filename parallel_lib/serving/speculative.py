@@ -25,7 +25,9 @@ samples (a decode, or a prompt's last chunk) gets up to ``k`` guesses from the d
 one target pass feeds it its new tokens and the guesses, beside prefills and chunks of other
 prompts; its last ``guesses + 1`` logits check them. :class:`Drafter` is that draft side: the
 draft model, its passes and the acceptance of its guesses, as vLLM runs a draft model beside its
-scheduler.
+scheduler. It pays where a pass costs about the same for one token per sequence as for ``k + 1``
+(small batches, weights read from memory); on a full batch the guesses' arithmetic and the draft's
+passes come on top (``python -m parallel_lib.bench serving`` measures both).
 
 **The KV caches** are two paged pools (:mod:`.paged_kv_cache`), one per model, read through the
 *same* block tables: a block holds both models' keys and values of the same tokens, so admission,
