@@ -34,7 +34,7 @@ class FigureSpec:
     """One image under ``figures/``."""
 
     stem: str                       # file name without ".png"
-    chapter: str                    # "ch00" .. "ch12"
+    chapter: str                    # "ch00" .. "ch13"
     measured: bool                  # True: timed on this machine (labelled with it); False: computed, identical every run
     make: Callable[[], Figure]
 
@@ -262,6 +262,21 @@ def _moe_all_to_all() -> Figure:
                                 title=f"Expert parallelism on 2 ranks, {DISPATCH_FIELDS}: one forward's rows")
 
 
+# ----------------------------------------------------------------------------- chapter 13
+
+def _serving_steps() -> Figure:
+    """Chapter 13's widget on paper: the walkthrough's requests through a pool of 6 blocks, from the engine's records.
+
+    The records hold block tables and states, not times: the image is the same on every machine.
+    """
+    from parallel_lib.serving.walkthrough import walkthrough_model, walkthrough_run
+    from parallel_lib.viz.serving_steps import render_serving_strip
+    engine = walkthrough_run(walkthrough_model())
+    return render_serving_strip(engine.records, engine.blocks.num_blocks, steps=(0, 1, 3, 5, 6, 7),
+                                title="Six requests through a pool of 6 blocks of 4 slots, at most 4 per step "
+                                      "(the engine's own step records)")
+
+
 FIGURES: list[FigureSpec] = [
     FigureSpec("setup_all_reduce", "ch00", True, _setup_all_reduce),
     FigureSpec("setup_tiny_loss", "ch00", True, _setup_tiny_loss),
@@ -290,6 +305,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("planner_widget_ch10", "ch10", False, _planner_widget),
     FigureSpec("ring_attention", "ch11", False, _ring_attention),
     FigureSpec("moe_all_to_all", "ch12", False, _moe_all_to_all),
+    FigureSpec("serving_steps", "ch13", False, _serving_steps),
 ]
 
 
@@ -315,7 +331,7 @@ def collect(only: Optional[Sequence[str]] = None, static: bool = False) -> dict[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the PNG files")
-    parser.add_argument("--only", nargs="*", help="figure stems or chapters (ch00..ch12) to make (default: all)")
+    parser.add_argument("--only", nargs="*", help="figure stems or chapters (ch00..ch13) to make (default: all)")
     parser.add_argument("--static", action="store_true", help="skip the figures measured on this machine")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

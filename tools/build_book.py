@@ -57,6 +57,7 @@ WIDGET_FIGURES: dict[str, str] = {
     "planner_widget": "planner_widget_ch10",
     "ring_attention_widget": "ring_attention",
     "dispatch_widget": "moe_all_to_all",
+    "serving_steps_widget": "serving_steps",
 }
 
 

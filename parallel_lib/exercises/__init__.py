@@ -104,3 +104,8 @@ _CHECKERS.update({"check_bug_hunt_1": "ch10b", "check_bug_hunt_2": "ch10b", "che
                   "check_diagnosis": "ch10b"})
 CHAPTERS = CHAPTERS + ("10b",)
 __all__ += ["check_bug_hunt_1", "check_bug_hunt_2", "check_bug_hunt_3", "check_diagnosis"]
+
+# chapter 13 (appended: the registries above stay as they were)
+_CHECKERS.update({"check_block_slot": "ch13", "check_admit_requests": "ch13", "check_accept_draft": "ch13"})
+CHAPTERS = CHAPTERS + ("13",)
+__all__ += ["check_block_slot", "check_admit_requests", "check_accept_draft"]

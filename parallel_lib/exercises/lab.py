@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import linecache
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
-
-import nbformat
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from parallel_lib.exercises._core import failed
 from parallel_lib.exercises._shipping import ShippedFunction, ship
+
+if TYPE_CHECKING:  # nbformat is imported where a notebook is read or written, not by the grade cell: its import
+    import nbformat  # (jsonschema and its validators) takes longer than grading a chapter's exercises
 
 __all__ = ["SECTION_HEADING", "section_cells", "grade", "grade_notebook", "hide_solutions", "launch_cell"]
 
@@ -42,8 +43,9 @@ def _exercises(chapter: str) -> list:
     return EXERCISES[chapter]
 
 
-def section_cells(chapter: str) -> list[nbformat.NotebookNode]:
+def section_cells(chapter: str) -> list["nbformat.NotebookNode"]:
     """The notebook cells of ``chapter``'s exercises, from the ``SECTION_HEADING`` cell to the end."""
+    import nbformat
     cells = [nbformat.v4.new_markdown_cell(INTRO)]
     for number, item in enumerate(_exercises(chapter), 1):
         if not item.title:
@@ -94,6 +96,7 @@ def grade_notebook(path: str | Path) -> Grades:
     ``inspect`` finds it (so ``average_token_gradients`` can still be shipped to ranks). An answer cell
     that raises counts as not written.
     """
+    import nbformat
     path = Path(path)
     chapter = _chapter_of(path)
     nb = nbformat.read(path, as_version=4)

@@ -28,7 +28,8 @@ __all__ = ["rank_slice", "ALL_REDUCE_PREDICTION",
            "largest_batch", "gqa_decode_step", "cache_step", "PIPELINE_THROUGHPUT",
            "merge_attention", "zigzag_positions", "BUSIEST_SHARE",
            "dispatch_rows", "combine_rows", "BALANCE_EFFECT",
-           "BUG_HUNT_1", "BUG_HUNT_2", "BUG_HUNT_3"]
+           "BUG_HUNT_1", "BUG_HUNT_2", "BUG_HUNT_3",
+           "block_slot", "admit_requests", "accept_draft"]
 
 
 # --------------------------------------------------------------------------- chapter 00
@@ -399,3 +400,29 @@ BUG_HUNT_3 = {
               breaks=["dp2, m=2", "dp2 zero1, m=1", "dp2 zero3, m=2", "tp2, m=2", "tp2+sp, m=2", "pp2 1f1b, m=2"]),
     "H": dict(where="parallel_lib.tensor_parallel.parallelize.parallelize_tp", breaks=["tp2+sp, m=2"]),
 }
+
+
+# --------------------------------------------------------------------------- chapter 13
+def block_slot(table, block_size, position):
+    block = table[position // block_size]         # the table maps the sequence's k-th block to a pool block
+    return block * block_size + position % block_size
+
+
+def admit_requests(free_blocks, waiting, running, max_batch, block_size):
+    admitted = []
+    for i, length in enumerate(waiting):           # oldest first
+        if running + len(admitted) >= max_batch:
+            break
+        need = -(-length // block_size)            # blocks for all of its tokens, rounded up
+        if need > free_blocks:
+            break                                  # the head blocks the rest: nobody overtakes it
+        admitted.append(i)
+        free_blocks -= need
+    return admitted
+
+
+def accept_draft(p, q, token, u):
+    if u < min(1.0, float(p[token] / q[token])):
+        return True, None
+    residual = (p - q).clamp(min=0)                # where the target gives more than the draft
+    return False, residual / residual.sum()
