@@ -19,6 +19,7 @@ from parallel_lib.common.models import build_gpt2
 from parallel_lib.inference import Request, ServeConfig
 from parallel_lib.serving import (ServingEngine, SpeculativeDecoder, blocks_for, draft_from_target, draw, kv_waste,
                                   verify_token)
+from parallel_lib.serving.kv_transfer import gather_blocks, scatter_blocks
 
 CONFIG = ServeConfig(initializer_range=0.3)
 
@@ -140,6 +141,28 @@ def test_the_speculating_engine_preempts_and_shares_cached_prefixes_with_both_po
         accepted.append([[r.accepted.get(i) for r in engine.records if i in r.accepted] for i in range(4)])
         assert engine.blocks.hit_blocks == (3 * 3 if caching else 0)   # requests 1..3 hit the 3 blocks of 12
     assert accepted[0] == accepted[1] and sum(map(sum, accepted[1])) > 0
+
+
+def test_a_speculating_engine_adopts_a_prefilled_request_and_its_draft_computes_the_prompt(model, expected):
+    """Disaggregation's hand-over into a speculating engine: the target's keys come from the prefill engine, the
+    draft computes its own; the guesses are those of an engine that was given prompt + first token itself."""
+    prefill = ServingEngine(model, num_blocks=16, block_size=4, max_batch=3)
+    shipped = {}
+    prefill.on_finish = lambda seq: shipped.setdefault(seq.id, (gather_blocks(prefill.cache, prefill.blocks.table(
+        seq.id)), seq.result.tokens[0], seq.generator.get_state()))
+    prefill.run([Request(p, 1) for p in PROMPTS[:3]])
+    decode = speculating(model, draft_from_target(model, 3), k=3, max_batch=3)
+    for i in range(3):
+        kv, token, state = shipped[i]
+        table = decode.adopt(Request(PROMPTS[i], NEW[i]), i, 0.0, token, 0.0, torch.Generator().set_state(state))
+        scatter_blocks(decode.cache, table, kv)
+    while not decode.idle():
+        decode.step()
+    assert [decode.results[i].tokens for i in range(3)] == expected[:3]
+    itself = speculating(model, draft_from_target(model, 3), k=3, max_batch=3)
+    itself.run([Request(PROMPTS[i] + [shipped[i][1]], NEW[i] - 1) for i in range(3)])
+    accepted = [[[r.accepted[i] for r in e.records if i in r.accepted] for i in range(3)] for e in (decode, itself)]
+    assert accepted[0] == accepted[1] and sum(map(sum, accepted[0])) > 0
 
 
 def test_bad_arguments_are_refused_by_name(model):
