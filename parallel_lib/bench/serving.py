@@ -41,8 +41,8 @@ trace's rate decides how busy the engines are. The throughput ratio is at most t
 passes (printed): it falls short by what a continuous pass costs more than a static one (building
 the block-table layout, the paged gather, a prompt beside the decodes in many passes). On GPT-2
 "tiny" (the default, 4 layers of 64) a pass costs mostly Python and dispatch; ``--model small`` (6
-layers of 256) is closer to real serving, where a pass costs arithmetic. Torch runs on ``--threads`` intra-op threads (1 by
-default: on a shared CPU more threads mostly wait for each other).
+layers of 256) is closer to real serving, where a pass costs arithmetic. Torch runs on ``--threads``
+intra-op threads (1 by default: on a shared CPU more threads mostly wait for each other).
 """
 
 from __future__ import annotations
