@@ -25,8 +25,8 @@ from parallel_lib.tensor_parallel import (
     step_collectives,
     tensor_parallelize,
 )
-from parallel_lib.tensor_parallel.cost import shard_parameters
-from parallel_lib.tensor_parallel.verify import bad_input_check, gpt2_check, mlp_check
+from parallel_lib.tensor_parallel.cost import activation_bytes, shard_parameters
+from parallel_lib.tensor_parallel.verify import bad_input_check, block_saved_bytes, gpt2_check, many, mlp_check
 from parallel_lib.tensor_parallel.vocab import vocab_range
 from parallel_lib.training import Plan, RunConfig, max_difference, reference, tp_layout, train, train_many
 
@@ -80,24 +80,58 @@ def test_column_then_row_mlp_equals_dense(tp, sequence_parallel):
     for rank, r in enumerate(result):
         counted = r.pop("collectives")
         assert max(r.values()) < TOL, (rank, r)
-        # the MLP's forward g and backward f move as much as a block's two forward g
-        assert counted == layer_collectives(2, 8, 16, sequence_parallel)["forward"]
+        # the MLP is half a block: half of a block's forward and backward collectives (TP: its forward g and
+        # backward f, as much as a block's two forward g; SP: one more all-gather, its input gathered again)
+        layer = layer_collectives(2, 8, 16, sequence_parallel)
+        kinds = {**layer["forward"], **layer["backward"]}
+        assert counted == {k: tuple((layer["forward"].get(k, (0, 0))[i] + layer["backward"].get(k, (0, 0))[i]) // 2
+                                    for i in (0, 1)) for k in kinds}
 
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True), (4, False), (4, True)])
 def test_gpt2_logits_loss_and_gradients_equal_dense(tp, sequence_parallel):
+    """Also with every block recomputed (one launch runs both): the same gradients, and the counter sees
+    the recomputed forward's collectives again, as ``step_collectives(recompute=True)`` counts (#21 error 6)."""
     config = TPConfig(sequence_parallel=sequence_parallel)
-    results = launch(gpt2_check, tp, config, backend="gloo", timeout=120)
+    per_rank = launch(many, tp, [(gpt2_check, (config,)), (gpt2_check, (config, False, True))], backend="gloo",
+                      timeout=120)
     shape = GPTShape.of(gpt2_config("tiny", config.vocab_size))
-    for r in results:
-        assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
-        # a whole step without the SP gradient all-reduce (made after the counted block)
-        expected = step_collectives(shape, config.batch_size, config.seq_len, tp, sequence_parallel)
-        if sequence_parallel:
-            calls, nbytes = expected["all_reduce"]
-            sync = (shape.n_layer * 6 + 2 + shape.n_positions) * shape.n_embd * 4
-            expected["all_reduce"] = (calls - 1, nbytes - sync)
-        assert r["step"] == expected
+    for plain, recomputed in per_rank:
+        for recompute, r in ((False, plain), (True, recomputed)):
+            assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, r
+            # a whole step without the SP gradient all-reduce (made after the counted block)
+            expected = step_collectives(shape, config.batch_size, config.seq_len, tp, sequence_parallel,
+                                        recompute=recompute)
+            if sequence_parallel:
+                calls, nbytes = expected["all_reduce"]
+                sync = (shape.n_layer * 6 + 2 + shape.n_positions) * shape.n_embd * 4
+                expected["all_reduce"] = (calls - 1, nbytes - sync)
+            assert r["step"] == expected
+        if not sequence_parallel:  # Megatron's count: 6 all-reduces per block instead of 4, + embedding, head, loss
+            assert recomputed["step"]["all_reduce"][0] == 6 * shape.n_layer + 2 + 3
+            assert plain["step"]["all_reduce"][0] == 4 * shape.n_layer + 2 + 3
+
+
+def test_the_activation_formula_is_the_census_of_one_block_under_tp_and_sp():
+    """#21 error 9: what one block keeps for backward, counted by the tensor census, is the formula's terms
+    in fp32 with the course's dropout masks (4 bytes each), plus what the paper leaves out: the layer norms'
+    statistics (mean and 1/std, 2 x 2 fp32 values per token) and the attention mask the blocks share (s² bools).
+    Under SP the column-parallel layers keep only their slice of the input, as Megatron does."""
+    b, s, shape = 2, 16, GPTShape(1, 64, 4, 64, 128)  # tiny's block
+    cases = [(sp, p) for sp in (False, True) for p in (0.0, 0.1)]
+    measured = dict(zip(cases, launch(many, 2, [(block_saved_bytes, case) for case in cases], backend="gloo",
+                                      timeout=120)[0]))
+    for p in (0.0, 0.1):  # one process: t = 1
+        measured[(None, p)] = block_saved_bytes(0, 1, False, p)
+    for (sp, p), got in measured.items():
+        t = 1 if sp is None else 2
+        tokens = s // t if sp else s  # the norms run on this rank's slice of the sequence under SP
+        formula = activation_bytes(b, s, shape, t, bool(sp), dropout=p > 0, bytes_per_element=4, mask_bytes=4)
+        assert got == formula + 2 * 2 * 4 * b * tokens + s * s, (sp, p)
+    # literals (b·s·h = 2,048 values of 4 bytes): without dropout, t = 2 keeps 4 whole + 12/2 of them per block
+    # under TP, 16/2 under SP, beside the scores' a·s²·b/t = 1,024 values
+    assert measured[(False, 0.0)] == 4 * (2048 * (4 + 6) + 1024 + 2 * 2 * 32) + 256 == 86_784
+    assert measured[(True, 0.0)] == 4 * (2048 * 8 + 1024 + 2 * 2 * 16) + 256 == 70_144
 
 
 def test_naive_c_attn_split_is_wrong():

@@ -186,7 +186,8 @@ def run_layouts(work: Sequence[tuple[Layout, str, Any, GPTShape]], world_size: i
     for k, (layout, engine, _, shape) in enumerate(work):
         per_rank = [out[k] for _, out in launched]
         load = per_rank[0][2] / calibration.at(world_size).step_times[KEY]  # > 1: busier than calibrated
-        p = price(layout, shape, BATCH, SEQ, calibration.slowed(world_size, load), KEY)
+        # the course's engines reduce after the backward and gather without prefetch: nothing overlaps
+        p = price(layout, shape, BATCH, SEQ, calibration.slowed(world_size, load), KEY, overlap=False)
         how = "parameters x 4 (tensors) x 4" if engine.startswith("tensor") else "tensor census"
         rows.append(Row(layout, engine, p.step_seconds, _step_time([t for t, _, _ in per_rank]), p.state_bytes,
                         max(s for _, s, _ in per_rank), how, load))

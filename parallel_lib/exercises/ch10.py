@@ -45,7 +45,7 @@ OOM_ANSWER = None  # your answer: (term, zero stage), e.g. ("gradients", 3)
 '''
 
 # reference answers (the checkers never read them: they ask the planner; tests check they pass)
-CHOOSE_SOLUTION = dict(dp=8, tp=4, pp=1, zero=2)
+CHOOSE_SOLUTION = dict(dp=32, tp=1, pp=1, zero=3)  # FSDP-style: its gathers hide behind compute (price's overlap)
 OOM_SOLUTION = ("optimizer", 1)
 
 

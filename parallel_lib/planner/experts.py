@@ -113,7 +113,8 @@ def price_ep(layout: Layout, ep: int, shape: GPTShape, experts: Experts, global_
     if layout.dp % ep or experts.n_experts % ep:
         raise ValueError(f"ep={ep} must divide dp={layout.dp} and n_experts={experts.n_experts}: the experts are "
                          "split over ep of a data-parallel group's ranks")
-    dense = price(layout, shape, global_batch, seq_len, calibration, step_cost)
+    # no overlap: the experts' own collectives below are added whole, so the dense part's are too
+    dense = price(layout, shape, global_batch, seq_len, calibration, step_cost, overlap=False)
     L, width = layout, DTYPE_BYTES[layout.dtype]
     blocks = max(stage_blocks(shape.n_layer, L.pp))
     mlp = mlp_parameters(shape, L.tp)
@@ -172,6 +173,7 @@ def plan_ep(shape: GPTShape, experts: Experts, devices: int, memory_per_device: 
     that fit, as the dense search does. ``search``: more keywords for :func:`plan_layouts` (``schedules``,
     ``zero_stages``, ``recompute``...).
     """
+    search.setdefault("overlap", False)  # as price_ep: no collective hidden, the dense part's nor the experts'
     dense = plan_layouts(shape, devices, float(2**80), global_batch, seq_len, calibration, step_cost, dtype,
                          **search)  # type: ignore[arg-type]
     fits, rejected = [], []

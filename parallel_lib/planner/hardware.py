@@ -21,17 +21,26 @@ Sources:
   200 Gb/s HDR adapter per GPU (DGX A100) 25 GB/s; DGX-1 (V100) has 4 × 100 Gb/s EDR for 8 GPUs, 6.25 GB/s per GPU.
 - Latency per ring step: a few microseconds inside a node (NVLink), ~10 µs across InfiniBand — an
   order of magnitude from nccl-tests' small-message times, not a datasheet figure.
+
+Which link a group crosses (:class:`Links`, :func:`group_span`): a node holds ``gpus_per_node``
+consecutive ranks, and the mesh's axis order (:data:`~parallel_lib.runtime.mesh.DEFAULT_ORDER`,
+tp fastest) decides which ranks a group holds. A tp group of 8 is 8 consecutive ranks, one node,
+NVLink; a dp group's ranks lie ``tp · cp · pp`` apart, so it stays inside a node only while
+``tp · cp · pp · dp`` ranks do, and otherwise its ring runs at the network's speed (a ring is as fast
+as its slowest link; with one adapter per GPU every GPU of the ring sends on its own).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
-from parallel_lib.common.checks import check_choice, positive_int
+from parallel_lib.common.checks import check_choice, positive_int, positive_number
 from parallel_lib.cost.units import GiB, MiB
 from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSpeed
+from parallel_lib.runtime.mesh import DEFAULT_ORDER
 
-__all__ = ["GPU", "GPUS", "published_calibration", "published_table"]
+__all__ = ["GPU", "GPUS", "Links", "group_span", "published_calibration", "published_table"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +98,74 @@ def published_table() -> list[list[object]]:
     """Rows for :func:`parallel_lib.common.tables.markdown_table`: every GPU's published figures."""
     return [[g.name, f"{g.flops_bf16 / 1e12:.0f}", f"{g.hbm_bandwidth / 1e12:.2f}", f"{g.memory_gib:.2f}",
              f"{g.nvlink / 1e9:.0f}", f"{g.network / 1e9:.2f}", g.source] for g in GPUS.values()]
+
+
+@dataclass(frozen=True)
+class Links:
+    """The two links a group's collectives may cross, in bytes/s per GPU and direction.
+
+    ``inside``: between the ``gpus_per_node`` GPUs of one node (NVLink); ``across``: between nodes (the
+    network, one adapter per GPU). A group ``span`` consecutive ranks wide (:func:`group_span`) stays
+    inside one node when ``span <= gpus_per_node``; wider, its ring runs at the network's speed.
+
+    Raises:
+        ValueError: a bandwidth that is not a number > 0, or ``gpus_per_node`` not an int >= 1.
+    """
+
+    inside: float
+    across: float
+    gpus_per_node: int = 8
+    inside_name: str = "NVLink"
+    across_name: str = "InfiniBand"
+
+    def __post_init__(self) -> None:
+        positive_number("inside", self.inside, hint="bytes per second inside a node, e.g. 450e9 (NVLink 4)")
+        positive_number("across", self.across, hint="bytes per second per GPU across nodes, e.g. 50e9 (NDR)")
+        positive_int("gpus_per_node", self.gpus_per_node, hint="GPUs that share NVLink in one node")
+
+    @classmethod
+    def of(cls, gpu: str, gpus_per_node: int = 8) -> "Links":
+        """A node of ``gpus_per_node`` published GPUs (:data:`GPUS`): NVLink inside, InfiniBand across.
+
+        Raises:
+            ValueError: an unknown ``gpu``.
+        """
+        g = GPUS[check_choice("gpu", gpu, sorted(GPUS))]
+        return cls(g.nvlink, g.network, gpus_per_node)
+
+    def crosses_nodes(self, span: int) -> bool:
+        """Whether a group ``span`` consecutive ranks wide reaches beyond one node."""
+        return positive_int("span", span) > self.gpus_per_node
+
+    def bandwidth(self, span: int) -> float:
+        """Bytes/s per GPU of a group ``span`` consecutive ranks wide: the network's once it crosses nodes."""
+        return self.across if self.crosses_nodes(span) else self.inside
+
+    def describe(self, span: int) -> str:
+        """The link a group ``span`` ranks wide runs on, for a sentence: ``"NVLink, 450 GB/s"``."""
+        name = self.across_name if self.crosses_nodes(span) else self.inside_name
+        return f"{name}, {self.bandwidth(span) / 1e9:g} GB/s"
+
+    def __str__(self) -> str:
+        return (f"{self.inside_name} {self.inside / 1e9:g} GB/s inside nodes of {self.gpus_per_node}, "
+                f"{self.across_name} {self.across / 1e9:g} GB/s across")
+
+
+def group_span(axis: str, sizes: Mapping[str, int], order: str = DEFAULT_ORDER) -> int:
+    """Consecutive ranks one ``axis`` group reaches: its size times the sizes of every faster axis in ``order``.
+
+    With ``order`` fastest-first (the runtime's ``"tp-cp-ep-pp-dp"``), a tp group is ``tp`` ranks wide and a
+    dp group ``tp · cp · ep · pp · dp`` (its ranks lie ``tp · cp · ep · pp`` apart). Axes missing from ``sizes``
+    have size 1.
+
+    Raises:
+        ValueError: ``axis`` not in ``order``, or a size that is not an int >= 1.
+    """
+    names = order.split("-")
+    check_choice("axis", axis, names)
+    span = 1
+    for name in names:
+        span *= positive_int(f"sizes[{name!r}]", sizes.get(name, 1))
+        if name == axis:
+            break
+    return span

@@ -13,8 +13,9 @@ Every number comes from code a chapter verified, not from a new formula:
   sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
   (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
 - time: compute from the calibration (:mod:`parallel_lib.planner.calibrate`) and
-  :func:`~parallel_lib.tensor_parallel.cost.training_flops`; tensor-parallel collectives from
-  :func:`~parallel_lib.tensor_parallel.cost.step_collectives`; the pipeline replayed by
+  :func:`~parallel_lib.tensor_parallel.cost.training_flops` (recomputation: the blocks' forward once
+  more); tensor-parallel collectives from :func:`~parallel_lib.tensor_parallel.cost.step_collectives`
+  (recomputation: the recomputed forward's all-reduces too, 6 per block instead of 4); the pipeline replayed by
   :func:`parallel_lib.pipeline_parallel.simulator.simulate_schedule` with those costs and the send time;
   then the data-parallel collectives of the ZeRO stage (:func:`dp_collectives`: ZeRO-2 reduce-scatters
   every micro-batch's gradients, ZeRO-3 gathers the parameters twice per micro-batch) and the
@@ -31,16 +32,25 @@ Every number comes from code a chapter verified, not from a new formula:
   hidden). The cp ranks hold the same parameters: the gradients reduce, and ZeRO shards, over
   dp · cp ranks.
 
-Nothing else overlaps: the course's engines run the gradient collectives after the backward pass
-(chapter 05's DP×PP, chapter 07's TP×DP) and the tensor-parallel all-reduces between the layers'
-matrix products, so the model adds their times.
+What overlaps (``overlap``, :func:`exposed_seconds`): engines at scale hide data-parallel
+communication behind compute. DDP's buckets (and Megatron's, and FSDP's reduce-scatters) start as
+the backward pass fills them, so a gradient reduction shows only where it outlasts the backward of
+the micro-batch it follows, and at least its last bucket; ZeRO-3 (FSDP) prefetches the next layer
+group's all-gather while the current one computes, so only the first gather of each pass, and what
+outlasts the compute, shows. The pieces are the layer groups (one per block and one for the rest),
+or ``grad_collectives`` buckets when the layout names more than one. What never overlaps: the
+tensor-parallel all-reduces (each layer's output waits for them: on the critical path), ZeRO-1/2's
+all-gather of the updated parameters after the optimizer step, and the tied embedding's all-reduce.
+``overlap=False`` is what the course's own engines do (ZeroEngine reduces its flat groups after the
+backward pass, ZeRO-3 gathers without prefetch unless asked): the default for a calibration
+measured on this machine; published GPU figures default to ``overlap=True``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Union
+from typing import Optional, Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.context_parallel.cost import GRAD_ITEMSIZE, cp_wire_bytes, ring_step_flops
@@ -50,10 +60,11 @@ from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import AlphaBeta, Calibration
+from parallel_lib.planner.hardware import group_span
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "cp_seconds", "price",
-           "SCHEDULES"]
+__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "cp_seconds",
+           "exposed_seconds", "price", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
@@ -193,11 +204,12 @@ class Priced:
     in_flight: float             # micro-batches' activations held at the peak (schedule's figure)
     compute: float               # forward + backward of every micro-batch, bubbles included
     tp_comm: float               # inside compute: the tensor-parallel collectives
-    dp_comm: float               # gradient and parameter collectives after the backward pass
+    dp_comm: float               # data-parallel collectives not hidden behind compute (without overlap: all)
     optimizer: float
     bubble: float                # the simulator's (pipeline only)
     working_bytes: float = 0.0   # ZeRO-3: gathered parameters and their whole gradients while computing
     cp_comm: float = 0.0         # inside compute: ring attention's transfers that its compute did not hide
+    dp_hidden: float = 0.0       # data-parallel collectives hidden behind the backward (buckets) or forward (prefetch)
 
     @property
     def memory_bytes(self) -> float:
@@ -234,6 +246,42 @@ def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, s
                for kind, (n, nbytes) in calls.items())
 
 
+def exposed_seconds(comm: float, compute: float, pieces: int) -> float:
+    """Seconds of ``comm`` that ``compute`` does not hide, when both come in ``pieces`` equal parts in turn.
+
+    Piece k of the communication can start once piece k of the compute has made it (a bucket of
+    gradients), or must end before piece k + 1 computes (a prefetched layer group); on one link the
+    pieces run one after another. Then one piece always shows (the last bucket, the first gather),
+    and the rest shows only where it outlasts the compute: ``max(comm / pieces, comm − compute ·
+    (pieces − 1) / pieces)``. One piece hides nothing.
+
+    Raises:
+        ValueError: a negative time, or ``pieces`` not an int >= 1.
+    """
+    check_number("comm", comm, 0.0, hint="seconds of communication")
+    check_number("compute", compute, 0.0, hint="seconds of compute it may hide behind")
+    n = positive_int("pieces", pieces)
+    return max(comm / n, comm - compute * (n - 1) / n)
+
+
+def _exposed_dp(layout: Layout, seconds: dict[str, float], forward: float, backward: float, pieces: int) -> float:
+    """The data-parallel collectives' ``seconds`` (by kind, a whole step's) that the stage's compute does not hide.
+
+    ZeRO-0/1 reduce once, behind the last micro-batch's ``backward``; ZeRO-2 reduce-scatters behind
+    each micro-batch's backward; ZeRO-3 gathers behind each forward (prefetch) and gathers again and
+    reduce-scatters behind each backward. ZeRO-1/2's all-gather after the optimizer step shows whole.
+    """
+    m, gather = layout.micro_batches, seconds.get("all_gather", 0.0)
+    if layout.zero <= 1:
+        return exposed_seconds(seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter", 0.0), backward,
+                               pieces) + gather
+    if layout.zero == 2:
+        return m * exposed_seconds(seconds["reduce_scatter"] / m, backward, pieces) + gather
+    one_pass = gather / (2 * m)  # ZeRO-3: the layer groups gathered once for a forward, once for a backward
+    return m * (exposed_seconds(one_pass, forward, pieces)
+                + exposed_seconds(one_pass + seconds["reduce_scatter"] / m, backward, pieces))
+
+
 def cp_seconds(shape: GPTShape, micro_batch: int, seq_len: int, tp: int, cp: int, flops_per_second: float,
                link: AlphaBeta, itemsize: int) -> float:
     """Seconds ring attention's transfers add to one block's forward and backward on one micro-batch.
@@ -262,8 +310,13 @@ def cp_seconds(shape: GPTShape, micro_batch: int, seq_len: int, tp: int, cp: int
 
 
 def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, calibration: Calibration,
-          step_cost: Union[StepCost, str], attention_scores: bool = False) -> Priced:
+          step_cost: Union[StepCost, str], attention_scores: bool = False, overlap: Optional[bool] = None) -> Priced:
     """Memory per device and time per step of ``layout`` training ``shape`` on ``global_batch`` sequences.
+
+    ``overlap``: hide data-parallel communication behind compute as DDP's buckets and ZeRO-3's
+    prefetch do (module docstring); ``False``: add every collective's time, as the course's engines
+    run them; ``None`` (default): ``True`` for a calibration of published GPU figures (nodes of
+    ``gpus_per_node``), ``False`` for one measured on this machine.
 
     Raises:
         ValueError: a batch that does not split into dp replicas of ``micro_batches`` micro-batches,
@@ -306,18 +359,24 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     else:  # the cost of one rank alone, slowed as the calibration's matmul rate slows with more ranks per core
         slow = calibration.ranks[min(calibration.ranks)].flops_per_second / calibration.at(world).flops_per_second
         step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow)
-    tp_span = L.tp
-    cp_link = calibration.link("send", world, L.tp * L.cp)
-    costs, tp_total, cp_total = [], 0.0, 0.0
+    # which link each group crosses: the runtime's mesh order, tp fastest (hardware.group_span)
+    sizes = dict(tp=L.tp, cp=L.cp, pp=L.pp, dp=L.dp)
+    tp_span, pp_span = group_span("tp", sizes), group_span("pp", sizes)
+    cp_link = calibration.link("send", world, group_span("cp", sizes))
+    costs, passes, tp_total, cp_total = [], [], 0.0, 0.0
     for s, b in enumerate(blocks):
         head = s == L.pp - 1
         # the attention term of s/cp queries on all s keys: 1/cp of the whole sequence's
         flops = _flops(shape, b, mb, full_seq, head) / L.tp / L.cp
-        if L.recompute:  # the blocks' forward once more in backward: 4 passes instead of 3
-            flops += _flops(shape, b, mb, full_seq, False) / L.tp / L.cp / 3
+        again = _flops(shape, b, mb, full_seq, False) / L.tp / L.cp / 3 if L.recompute else 0.0
         units = b + (1 if s == 0 else 0) * 0.5 + (0.5 if head else 0)
-        seconds = (step_cost.fixed * units + flops / step_cost.flops_per_second)
-        calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width)
+        base = step_cost.fixed * units + flops / step_cost.flops_per_second
+        # forward 1/3, backward 2/3 (with the recomputed forward: 4 passes instead of 3)
+        passes.append((base / 3, 2 * base / 3 + again / step_cost.flops_per_second))
+        seconds = base + again / step_cost.flops_per_second
+        # recomputed blocks issue their forward's collectives again (2 all-reduces per block; SP: its gathers)
+        calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width,
+                                 recompute=L.recompute)
         tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
         tp_total = max(tp_total, tp_seconds)
         cp_block = b * cp_seconds(shape, mb, full_seq, L.tp, L.cp, step_cost.flops_per_second, cp_link, width)
@@ -326,7 +385,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     if L.pp == 1:
         compute, bubble = L.micro_batches * costs[0], 0.0
     else:
-        hop = calibration.link("send", world, L.tp * L.pp).seconds("send", mb * seq_len * shape.n_embd * width, 2)
+        hop = calibration.link("send", world, pp_span).seconds("send", mb * seq_len * shape.n_embd * width, 2)
         unit = max(costs)  # the simulation in units of the busiest stage, cached: many layouts share one
         ratios = (1.0,) if L.virtual > 1 else tuple(round(c / unit, 2) for c in costs)
         step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
@@ -335,14 +394,23 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     cp_comm = cp_total * L.micro_batches
 
     # ZeRO's (or plain DP's) collectives over the dp ranks, every micro-batch's included; the optimizer step
-    p, dp_span = params[busiest], L.tp * L.pp * L.dp * L.cp
+    p, dp_span = params[busiest], group_span("dp", sizes)  # the dp · cp replicas: the whole world
     dp_calls = dp_collectives(L, p, max(blocks))
-    dp_comm = _collective_seconds(dp_calls, calibration, world, L.replicas, dp_span)
+    by_kind = {kind: _collective_seconds({kind: calls}, calibration, world, L.replicas, dp_span)
+               for kind, calls in dp_calls.items()}
+    dp_comm = sum(by_kind.values())
+    if overlap is None:  # published GPU figures stand for engines at scale; this machine's, for the course's
+        overlap = bool(calibration.gpus_per_node)
+    dp_hidden = 0.0
+    if overlap and dp_calls:  # the busiest stage's forward and backward of one micro-batch hide what they can
+        pieces = L.grad_collectives if L.zero == 0 and L.grad_collectives > 1 else blocks[busiest] + 1
+        exposed = _exposed_dp(L, by_kind, *passes[busiest], pieces)
+        dp_comm, dp_hidden = exposed, dp_comm - exposed
     if L.pp > 1 and L.virtual == 1 and shape.tied_head:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width
-        dp_comm += calibration.link("all_reduce", world, dp_span).seconds("all_reduce", tied, 2)
+        dp_comm += calibration.link("all_reduce", world, pp_span).seconds("all_reduce", tied, 2)
     total_params = sum(rank_parameters(shape, 1, 1))
     share = p / total_params / (L.replicas if L.zero >= 1 else 1)
     optimizer = step_cost.optimizer * share
     return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble,
-                  working[busiest], cp_comm)
+                  working[busiest], cp_comm, dp_hidden)

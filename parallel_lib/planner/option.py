@@ -15,6 +15,7 @@ from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.model_parallel.memory import GiB
 
 if TYPE_CHECKING:
+    from parallel_lib.planner.hardware import Links
     from parallel_lib.planner.strategy import _Inputs
 
 __all__ = ["PART_ONE", "STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "ring_bytes", "p2p_bytes"]
@@ -47,7 +48,7 @@ class Option:
     bubble: float                  # idle share of each device's step
     allreduce_bytes: float         # gradient all-reduce, sent per device per step
     p2p_bytes: float               # hidden states and their gradients, sent per device per step
-    comm_seconds: float            # both, at the plan's link bandwidth
+    comm_seconds: float            # both, each on the link its group crosses (the plan's Links)
     feasible: bool
     reasons: tuple[str, ...] = field(default=())
     recompute: bool = False        # activation recomputation (torch.utils.checkpoint per block)
@@ -99,7 +100,7 @@ class Plan:
     batch_size: int
     gpu_bytes: float
     n_gpus: int
-    bandwidth: float
+    links: "Links"
     options: tuple[Option, ...]
     inputs: "_Inputs" = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
 
@@ -139,7 +140,7 @@ class Plan:
     def table(self) -> str:
         """A fixed-width table of the options."""
         lines = [f"{self.model}, {self.seq_len} tokens x {self.batch_size} sequences per step, "
-                 f"{self.n_gpus} GPU(s) of {self.gpu_bytes / GiB:g} GiB, links {self.bandwidth / 1e9:g} GB/s",
+                 f"{self.n_gpus} GPU(s) of {self.gpu_bytes / GiB:g} GiB, {self.links}",
                  f"{'strategy':<8} {'layout':>9} {'m':>3} {'GiB/device':>10} {'fits':>4} {'bubble':>6} "
                  f"{'GB sent/device':>14} {'comm s':>7} {'busy GPUs':>9} {'recompute':>9}"]
         for o in self.options:

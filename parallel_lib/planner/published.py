@@ -129,8 +129,8 @@ def _why(theirs: Priced, ours: Priced) -> str:
         reasons.append(f"ZeRO-{b.zero} where they used ZeRO-{a.zero}: with {a.micro_batches} micro-batches per step "
                        f"ZeRO-2 reduce-scatters the gradients {a.micro_batches} times"
                        + (" and ZeRO-3 gathers the parameters twice as often" if a.zero == 3 else "")
-                       + f" ({theirs.dp_comm:.2f} s of data-parallel collectives against {ours.dp_comm:.2f} s; "
-                       "the planner overlaps none of them with compute)")
+                       + f" ({theirs.dp_comm:.2f} s of data-parallel collectives that the backward passes do not "
+                       f"hide, against {ours.dp_comm:.2f} s)")
     if b.recompute and not a.recompute:
         reasons.append("activation recomputation, because their layout does not fit in its memory model")
     return ("the planner prefers " + "; ".join(reasons) +

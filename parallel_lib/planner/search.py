@@ -70,7 +70,7 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
                  gpus_per_node: int = 8, schedules: Sequence[str] = ("1f1b", "interleaved", "zb-h1"),
                  zero_stages: Sequence[int] = (0, 1, 2, 3), recompute: Sequence[bool] = (False, True),
                  max_pp: int = 32, micro_batch_cap: int = 4, attention_scores: bool = False,
-                 context_parallel: Sequence[int] = (1,)) -> LayoutPlan:
+                 context_parallel: Sequence[int] = (1,), overlap: Optional[bool] = None) -> LayoutPlan:
     """Price every layout of ``shape`` on ``devices`` devices; rank those within ``memory_per_device`` bytes.
 
     Pipelines run as many micro-batches as divide the replica's sequences, at most ``micro_batch_cap · pp``
@@ -78,6 +78,8 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
     replica's batch is split into the fewest micro-batches (gradient accumulation) whose activations fit.
     ``context_parallel``: the cp sizes to try (chapter 11: each sequence split over cp ranks); a cp
     that does not divide the devices, or whose 2·cp does not divide the sequence, is skipped.
+    ``overlap``: hide data-parallel communication behind compute (:func:`~parallel_lib.planner.layout.price`;
+    None: as the calibration's engines do).
 
     Raises:
         ValueError: a non-positive size (devices, batch, sequence, ``gpus_per_node``, ``max_pp``,
@@ -102,7 +104,7 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
         if devices % positive_int("cp", cp) == 0 and seq_len % (2 * cp if cp > 1 else 1) == 0:
             _grid(fits, rejected, cp, shape, devices, global_batch, seq_len, calibration, step_cost, dtype,
                   gpus_per_node, schedules, zero_stages, recompute, max_pp, micro_batch_cap, attention_scores,
-                  memory_per_device)
+                  memory_per_device, overlap)
     fits.sort(key=lambda c: (c.priced.step_seconds, c.priced.memory_bytes))  # type: ignore[union-attr]
     return LayoutPlan(tuple(fits), tuple(rejected), memory_per_device)
 
@@ -110,7 +112,8 @@ def plan_layouts(shape: GPTShape, devices: int, memory_per_device: float, global
 def _grid(fits: list, rejected: list, cp: int, shape: GPTShape, devices: int, global_batch: int, seq_len: int,
           calibration: Calibration, step_cost: Union[StepCost, str], dtype: str, gpus_per_node: int,
           schedules: Sequence[str], zero_stages: Sequence[int], recompute: Sequence[bool], max_pp: int,
-          micro_batch_cap: int, attention_scores: bool, memory_per_device: float) -> None:
+          micro_batch_cap: int, attention_scores: bool, memory_per_device: float,
+          overlap: Optional[bool] = None) -> None:
     """Every dp × tp × pp of ``devices / cp`` ranks, priced into ``fits`` or ``rejected``."""
     for tp in divisors(devices // cp):
         if tp > gpus_per_node or shape.n_head % tp or shape.vocab_size % tp:
@@ -134,17 +137,18 @@ def _grid(fits: list, rejected: list, cp: int, shape: GPTShape, devices: int, gl
                         for rc in recompute:
                             _try(fits, rejected, Layout(dp, tp, pp, z, sp, name, v, m, rc, dtype, cp=cp), shape,
                                  rows, global_batch, seq_len, calibration, step_cost, memory_per_device,
-                                 attention_scores)
+                                 attention_scores, overlap)
 
 
 def _try(fits: list, rejected: list, layout: Layout, shape: GPTShape, rows: int, global_batch: int, seq_len: int,
-         calibration: Calibration, step_cost: Union[StepCost, str], memory: float, scores: bool) -> None:
+         calibration: Calibration, step_cost: Union[StepCost, str], memory: float, scores: bool,
+         overlap: Optional[bool] = None) -> None:
     """Price ``layout``; without a pipeline, accumulate over the fewest micro-batches that fit."""
     counts = divisors(rows) if layout.pp == 1 else [layout.micro_batches]
     priced = None
     for m in counts:
         candidate = replace(layout, micro_batches=m)
-        priced = price(candidate, shape, global_batch, seq_len, calibration, step_cost, scores)
+        priced = price(candidate, shape, global_batch, seq_len, calibration, step_cost, scores, overlap)
         if priced.memory_bytes <= memory:
             fits.append(Candidate(priced, candidate))
             return

@@ -23,13 +23,14 @@ from parallel_lib.common.checks import positive_int
 from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.model_parallel.memory import (DTYPE_BYTES, OPTIMIZER_STATES, GiB, ModelShape, activation_memory,
                                                 training_memory)
+from parallel_lib.planner.hardware import Links
 from parallel_lib.planner.option import Option, ring_bytes
 from parallel_lib.cost.zero import zero3_working_set, zero_memory, zero_passes, zero_traffic
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes
 
 __all__ = ["zero_option", "tensor_parallel_option", "GPUS_PER_NODE"]
 
-GPUS_PER_NODE = 8  # a DGX/HGX node: the reach of NVLink
+GPUS_PER_NODE = 8  # a DGX/HGX node: the reach of NVLink (Links' default)
 
 
 def _state_bytes_per_parameter(dtype: str, optimizer: Optional[str]) -> tuple[str, float]:
@@ -56,7 +57,7 @@ def _working_set(shape: ModelShape, width: int) -> float:
 
 
 def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: float, n_gpus: int,
-                dtype: str = "fp16", optimizer: Optional[str] = "adamw", bandwidth: float = 25e9,
+                dtype: str = "fp16", optimizer: Optional[str] = "adamw", links: Optional[Links] = None,
                 attention_scores: bool = False, include_activations: bool = True, recompute: bool = True) -> Option:
     """ZeRO over ``n_gpus`` replicas: the lowest stage whose model state and one micro-batch fit.
 
@@ -64,8 +65,10 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
     where no stage fits, activation recomputation is tried (if ``recompute``) as the last resort.
     Traffic is :func:`~parallel_lib.cost.zero.zero_traffic` with one micro-batch per sequence: stage 1
     sends what DP sends, stage 2 ``(m + 1)/2`` times as much (a reduce-scatter per micro-batch), stage 3
-    ``3m/2`` times (the parameters gathered twice per micro-batch).
+    ``3m/2`` times (the parameters gathered twice per micro-batch). Its time is the ring's on the link
+    the replicas' group crosses (``links``, default an H100 node's: NVLink within 8 GPUs, InfiniBand beyond).
     """
+    links = links or Links.of("H100")
     replicas = min(n_gpus, batch_size)
     if optimizer is None or replicas < 2:
         why = ("inference keeps no gradients or optimizer states: nothing for ZeRO to shard" if optimizer is None
@@ -96,21 +99,25 @@ def zero_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: flo
                    f"{sent / 1e9:.3f} GB per GPU per step, {passes / 2:g}x data parallelism"
                    + (per_sequence.get(stage, "") if rows > 1 else ""))
     return Option(f"ZeRO-{stage}" if fits else "ZeRO", replicas, 1, rows, state, acts, 0.0, sent, 0.0,
-                  sent / bandwidth, fits, tuple(reasons), recomputed)
+                  sent / links.bandwidth(replicas), fits, tuple(reasons), recomputed)
 
 
 def tensor_parallel_option(shape: ModelShape, seq_len: int, batch_size: int, gpu_bytes: float, n_gpus: int,
-                           dtype: str = "fp16", optimizer: Optional[str] = "adamw", bandwidth: float = 25e9,
+                           dtype: str = "fp16", optimizer: Optional[str] = "adamw", links: Optional[Links] = None,
                            attention_scores: bool = False, include_activations: bool = True,
-                           recompute: bool = True, gpus_per_node: int = GPUS_PER_NODE) -> Option:
+                           recompute: bool = True, gpus_per_node: Optional[int] = None) -> Option:
     """The smallest tensor-parallel degree t (dividing the heads, within a node) that fits, × DP over the rest.
 
     Each GPU holds 1/t of the training state (the split matrices dominate; layer norms are
     negligible) and, with sequence parallelism, 1/t of one sequence's activations
     (Korthikanti et al. 2022). Per block and step: two all-reduces of ``s·h`` activations forward
-    and two backward, ``2(t-1)/t`` of each sent by every GPU; then the DP all-reduce of its gradients.
+    and two backward (with recomputation two more, the recomputed forward's), ``2(t-1)/t`` of each
+    sent by every GPU, on NVLink (the group is one node's); then the DP all-reduce of its gradients, on
+    NVLink while the whole job is one node, else on the network (``links``, default an H100 node's).
+    ``gpus_per_node`` (default the links') bounds t.
     """
-    positive_int("gpus_per_node", gpus_per_node)
+    links = links or Links.of("H100")
+    gpus_per_node = links.gpus_per_node if gpus_per_node is None else positive_int("gpus_per_node", gpus_per_node)
     width = DTYPE_BYTES[dtype]
     memory = training_memory(shape.n_params, dtype, optimizer)
     degrees = [t for t in range(2, min(n_gpus, gpus_per_node) + 1) if shape.n_heads % t == 0 and n_gpus % t == 0]
@@ -138,16 +145,18 @@ def tensor_parallel_option(shape: ModelShape, seq_len: int, batch_size: int, gpu
     replicas = n_gpus // t
     rows = math.ceil(batch_size / replicas)
     per_allreduce = rows * seq_len * shape.hidden * width
-    tp_sent = shape.n_layers * 4 * ring_bytes(per_allreduce, t)
+    per_block = 6 if recomputed else 4  # the recomputed forward's two all-reduces again (step_collectives)
+    tp_sent = shape.n_layers * per_block * ring_bytes(per_allreduce, t)
     grads = memory.gradients / t
     dp_sent = ring_bytes(grads, replicas)
-    seconds = tp_sent / bandwidth + allreduce_cost(grads, replicas, bandwidth, 0.0)
+    # tp fastest: a tp group is t consecutive ranks (one node), the replicas' group spans all n_gpus
+    seconds = tp_sent / links.bandwidth(t) + allreduce_cost(grads, replicas, links.bandwidth(n_gpus), 0.0)
     reasons = (f"t = {t} (the smallest degree that fits, dividing the {shape.n_heads} heads, at most "
                f"{gpus_per_node} GPUs of one node): {state / GiB:.1f} GiB of state + {acts / GiB:.2f} GiB of one "
                f"sequence's activations with sequence parallelism{' and recomputation' if recomputed else ''} "
                f"{'<=' if fits else '>'} {gpu_bytes / GiB:g} GiB",
-               f"4 all-reduces of {per_allreduce / 1e9:.4f} GB per block and step, {tp_sent / 1e9:.3f} GB sent per "
-               "GPU: inside a node only (NVLink)",
+               f"{per_block} all-reduces of {per_allreduce / 1e9:.4f} GB per block and step, "
+               f"{tp_sent / 1e9:.3f} GB sent per GPU: inside a node only (NVLink)",
                f"{replicas} tensor-parallel group(s) as data-parallel replicas: {dp_sent / 1e9:.3f} GB of gradients "
                "sent per GPU")
     return Option("TP×DP", replicas, t, rows, state, acts, 0.0, dp_sent, tp_sent, seconds, fits, reasons,

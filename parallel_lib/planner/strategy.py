@@ -10,7 +10,11 @@ reasoned rather than guessed. It adds no formula of its own; it combines:
 - idle time: :func:`parallel_lib.pipeline_parallel.schedule.bubble_fraction` (model parallelism
   is a pipeline with one micro-batch, so its bubble is ``(p - 1) / p``);
 - communication: :func:`parallel_lib.cost.alpha_beta.allreduce_cost` for the gradients, plus the
-  hidden states that cross each stage boundary forward and their gradients backward.
+  hidden states that cross each stage boundary forward and their gradients backward, each group
+  priced on the link it crosses (:class:`~parallel_lib.planner.hardware.Links`): a replica's stages
+  are consecutive ranks (the runtime's order, pipeline faster than data), so a pipeline of at most
+  8 stages, and data parallelism over at most 8 GPUs in all, stay on one node's NVLink; wider, the
+  ring runs at InfiniBand's speed.
 
 Communication is in bytes each device *sends* per step (the busiest device);
 ``allreduce_cost(S, N, bandwidth=1, latency=0)`` is exactly that volume for a ring,
@@ -35,6 +39,7 @@ from parallel_lib.model_parallel.memory import (
     training_memory,
 )
 from parallel_lib.pipeline_parallel.schedule import SCHEDULES, bubble_fraction
+from parallel_lib.planner.hardware import Links
 from parallel_lib.planner.option import PART_ONE, STRATEGIES, WHEN_TO_USE, Option, Plan, p2p_bytes, ring_bytes
 from parallel_lib.planner.sharded_tensor import tensor_parallel_option, zero_option
 
@@ -69,7 +74,7 @@ class _Inputs:
     dtype: str
     optimizer: Optional[str]
     schedule: str
-    bandwidth: float
+    links: Links
     attention_scores: bool
     include_activations: bool
     accumulate: bool
@@ -98,7 +103,10 @@ class _Inputs:
         state, grads = memory.per_device(stages), memory.gradients / stages
         allreduce = ring_bytes(grads, replicas)
         p2p = p2p_bytes(rows * self.seq_len * s.hidden * width, stages)
-        seconds = allreduce_cost(grads, replicas, self.bandwidth, 0.0) + p2p / self.bandwidth
+        # a replica's stages are consecutive ranks: the pipeline spans `stages`, the replicas all the GPUs used
+        dp_span, pp_span = replicas * stages, stages
+        seconds = allreduce_cost(grads, replicas, self.links.bandwidth(dp_span), 0.0) + \
+            p2p / self.links.bandwidth(pp_span)
         bubble = bubble_fraction(stages, 1 if strategy == "MP" else m)
         fits = state + acts <= self.gpu_bytes
         why = [blocker] if blocker else []
@@ -120,7 +128,9 @@ class _Inputs:
         if replicas > 1:
             why.append(f"ring all-reduce of {grads / 1e9:.3f} GB of gradients over {replicas} replicas: "
                        f"2(N-1)/N x S = {allreduce / 1e9:.3f} GB sent per GPU per step")
-        why.append(f"communication {seconds * 1e3:.1f} ms per step at {self.bandwidth / 1e9:g} GB/s")
+        over = ([f"gradients on {self.links.describe(dp_span)}"] if replicas > 1 else []) + \
+            ([f"hidden states on {self.links.describe(pp_span)}"] if stages > 1 else [])
+        why.append(f"communication {seconds * 1e3:.1f} ms per step" + (f" ({'; '.join(over)})" if over else ""))
         return Option(strategy, replicas, stages, m, state, acts, bubble, allreduce, p2p, seconds,
                       fits and not blocker, tuple(why), recompute)
 
@@ -191,7 +201,7 @@ class _Inputs:
 
 def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int,
          dtype: str = "fp16", optimizer: Optional[str] = "adamw", schedule: str = "1f1b",
-         micro_batches: Optional[int] = None, bandwidth: float = 25e9, attention_scores: bool = False,
+         micro_batches: Optional[int] = None, links: Union[str, Links] = "H100", attention_scores: bool = False,
          include_activations: bool = True, accumulate: bool = True, recompute: bool = True,
          strategies: Sequence[str] = PART_ONE) -> Plan:
     """Cost every strategy for training ``model`` on ``n_gpus`` GPUs of ``gpu_gib`` GiB.
@@ -217,7 +227,10 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         schedule: "1f1b" (a stage keeps at most p micro-batches) or "gpipe" (all m).
         micro_batches: per replica and step; default ``4 p`` (the GPipe paper: with
             m >= 4p the bubble is negligible), at most one per sequence.
-        bandwidth: bytes per second of one link, for the communication time.
+        links: the cluster's links, for the communication time: a GPU name of
+            :data:`~parallel_lib.planner.hardware.GPUS` (its DGX node: 8 GPUs on NVLink, InfiniBand
+            between nodes; "H100": 450 and 50 GB/s per GPU and direction) or a
+            :class:`~parallel_lib.planner.hardware.Links`. Each group is priced on the link it crosses.
         attention_scores: count stored attention score matrices (no FlashAttention).
         include_activations: False: training state only, as ``training_memory(...).min_devices``.
         accumulate: let DP and MP split their batch into micro-batches (gradient accumulation).
@@ -226,9 +239,9 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
             "TP×DP" (or pass ``STRATEGIES``) for sharded data parallelism and tensor parallelism.
 
     Raises:
-        ValueError: an unknown model, dtype, optimizer or schedule, a size that is not positive
-            and finite, or a ``gpu_gib`` so large that it must be bytes.
-        TypeError: ``model`` is neither a name nor a ``ModelShape``.
+        ValueError: an unknown model, dtype, optimizer, schedule or GPU name for ``links``, a size that
+            is not positive and finite, or a ``gpu_gib`` so large that it must be bytes.
+        TypeError: ``model`` is neither a name nor a ``ModelShape``; ``links`` neither a name nor ``Links``.
     """
     if isinstance(model, ModelShape):
         name, shape = f"{model.n_params / 1e9:.2f} B parameters", model
@@ -242,7 +255,11 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         positive_int(arg, value)
     if micro_batches is not None:
         positive_int("micro_batches", micro_batches)
-    positive_number("bandwidth", bandwidth, hint="bytes per second, e.g. 25e9")
+    if isinstance(links, str):
+        links = Links.of(links)
+    elif not isinstance(links, Links):
+        raise TypeError(f"links must be a GPU name such as 'H100' or a planner.hardware.Links, got "
+                        f"{type(links).__name__}")
     if positive_number("gpu_gib", gpu_gib) > 2**20:  # a mebi-GiB GPU (a pebibyte) is bytes given for GiB
         raise ValueError(f"gpu_gib is in GiB, got gpu_gib={gpu_gib!r}, which looks like bytes; "
                          f"pass {gpu_gib!r} / GiB (= {gpu_gib / GiB:g})")
@@ -254,14 +271,14 @@ def plan(model: Union[str, ModelShape], seq_len: int, batch_size: int, gpu_gib: 
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got schedule={schedule!r}")
     if isinstance(strategies, str) or not strategies or set(strategies) - set(STRATEGIES):
         raise ValueError(f"strategies must be a non-empty list from {STRATEGIES}, got strategies={strategies!r}")
-    inputs = _Inputs(shape, seq_len, batch_size, gpu_gib * GiB, n_gpus, dtype, optimizer, schedule, bandwidth,
+    inputs = _Inputs(shape, seq_len, batch_size, gpu_gib * GiB, n_gpus, dtype, optimizer, schedule, links,
                      attention_scores, include_activations, bool(accumulate), bool(recompute), micro_batches)
     options = [o for o in inputs.options() if o.strategy in strategies]
     priced = dict(shape=shape, seq_len=seq_len, batch_size=batch_size, gpu_bytes=gpu_gib * GiB, n_gpus=n_gpus,
-                  dtype=dtype, optimizer=optimizer, bandwidth=bandwidth, attention_scores=attention_scores,
+                  dtype=dtype, optimizer=optimizer, links=links, attention_scores=attention_scores,
                   include_activations=include_activations, recompute=bool(recompute))
     if "ZeRO" in strategies:
         options.append(zero_option(**priced))
     if "TP×DP" in strategies:
         options.append(tensor_parallel_option(**priced))
-    return Plan(name, shape.n_params, seq_len, batch_size, gpu_gib * GiB, n_gpus, bandwidth, tuple(options), inputs)
+    return Plan(name, shape.n_params, seq_len, batch_size, gpu_gib * GiB, n_gpus, links, tuple(options), inputs)

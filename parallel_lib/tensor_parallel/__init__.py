@@ -24,6 +24,7 @@ from parallel_lib.tensor_parallel.regions import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
+    sequence_parallel_linear,
 )
 from parallel_lib.tensor_parallel.split import naive_qkv_rows, qkv_rows
 from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
@@ -32,7 +33,7 @@ from parallel_lib.tensor_parallel.vocab import VocabParallelEmbedding, VocabPara
 __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region", "record_regions",
+    "scatter_to_sequence_parallel_region", "sequence_parallel_linear", "record_regions",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
     "vocab_parallel_cross_entropy", "qkv_rows", "naive_qkv_rows", "sync_sequence_parallel_grads",
     "parallelize_tp", "tp_group_of", "check_tp_split", "TPInfo", "tensor_parallelize", "gather_dense",

@@ -9,8 +9,10 @@ a latency per ring step plus its bytes over the bandwidth, and the compute divid
 Per block and pass, with (b, s, h) activations of ``e`` bytes per element:
 
 - tensor parallel: forward 2 all-reduces of ``b·s·h`` (the two ``g``), backward 2 (the two ``f``);
-- sequence parallel: forward 2 all-gathers + 2 reduce-scatters of the same ``b·s·h``,
-  backward the same: each rank sends the same bytes, ``4 (t-1)/t · b·s·h·e`` per pass.
+- sequence parallel: forward 2 all-gathers + 2 reduce-scatters of the same ``b·s·h``, backward
+  the same plus 2 all-gathers: the column-parallel layers keep only their slice of the input and
+  gather it again for the weights' gradients (Megatron-LM's way; the activations' formula,
+  :func:`activation_bytes`, counts that slice, and the saved-tensor census agrees).
 """
 
 from __future__ import annotations
@@ -116,16 +118,20 @@ def _add(total: Collectives, kind: str, calls: int, nbytes: int) -> None:
 
 def layer_collectives(batch: int, seq: int, hidden: int, sequence_parallel: bool = False,
                       bytes_per_element: int = 4) -> dict[str, Collectives]:
-    """One block's collectives: ``{"forward": {...}, "backward": {...}}`` (two ``g`` / two ``f``)."""
+    """One block's collectives: ``{"forward": {...}, "backward": {...}}`` (two ``g`` / two ``f``).
+
+    Under sequence parallelism backward also gathers the two column-parallel layers' inputs again
+    (:func:`~parallel_lib.tensor_parallel.regions.sequence_parallel_linear`).
+    """
     size = batch * seq * hidden * bytes_per_element
-    if sequence_parallel:
-        both = {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)}
-        return {"forward": dict(both), "backward": dict(both)}
+    if sequence_parallel:  # backward: the two column-parallel inputs gathered again (their slices were kept)
+        return {"forward": {"all_gather": (2, 2 * size), "reduce_scatter": (2, 2 * size)},
+                "backward": {"all_gather": (4, 4 * size), "reduce_scatter": (2, 2 * size)}}
     return {"forward": {"all_reduce": (2, 2 * size)}, "backward": {"all_reduce": (2, 2 * size)}}
 
 
 def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
-                     bytes_per_element: int = 4) -> Collectives:
+                     bytes_per_element: int = 4, recompute: bool = False) -> Collectives:
     """A training step's collectives on one rank of a tensor-parallel GPT-2 (no data parallelism).
 
     Blocks (:func:`layer_collectives`), plus the vocabulary-parallel embedding (one ``g``
@@ -133,6 +139,12 @@ def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_pa
     input (``f`` backward, or an all-gather forward and reduce-scatter backward), the
     loss's three all-reduces of ``b·s`` values (max, target logit, sum of exp), and under
     SP one all-reduce of the gradients of the sequence-parallel parameters.
+
+    ``recompute``: full activation recomputation of every block (each keeps only its input and runs
+    its forward again in backward, ``torch.utils.checkpoint``): the recomputed forward issues the
+    blocks' forward collectives once more, 2 all-reduces per block (or, under SP, 2 all-gathers and
+    2 reduce-scatters), so a block's step has 6 all-reduces instead of 4, as under Megatron's full
+    recomputation. The embedding, the head and the loss are not recomputed.
     """
     for name, value in dict(batch=batch, seq=seq, tp=tp).items():
         positive_int(name, value)
@@ -141,7 +153,7 @@ def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_pa
     size, e = batch * seq * shape.n_embd * bytes_per_element, bytes_per_element
     total: Collectives = {}
     per_layer = layer_collectives(batch, seq, shape.n_embd, sequence_parallel, bytes_per_element)
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward") + (("forward",) if recompute else ()):
         for kind, (calls, nbytes) in per_layer[phase].items():
             _add(total, kind, shape.n_layer * calls, shape.n_layer * nbytes)
     if sequence_parallel:
@@ -173,17 +185,34 @@ def shard_parameters(shape: GPTShape, tp: int) -> int:
 
 
 def activation_bytes(batch: int, seq: int, shape: GPTShape, tp: int = 1, sequence_parallel: bool = False,
-                     attention_scores: bool = True) -> float:
-    """Activation bytes a rank keeps for backward, 16-bit training (Korthikanti et al. 2022, eqs. 2–4).
+                     attention_scores: bool = True, dropout: bool = True, bytes_per_element: int = 2,
+                     mask_bytes: int = 1) -> float:
+    """Activation bytes a rank keeps for backward (Korthikanti et al. 2022, eqs. 2–4 with the defaults).
 
-    Per block: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism, where the 10
-    (layer norms, dropout masks, residual inputs) stays whole on every rank; sequence
-    parallelism splits it too: ``s·b·h·(34/t + 5·a·s/(h·t))``.
+    Per block: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism, where the 10 (the
+    two layer norms' inputs, the two column-parallel layers' inputs, two dropout masks) stays whole
+    on every rank; sequence parallelism splits it too, ``s·b·h·(34/t + 5·a·s/(h·t))``: the
+    column-parallel layers keep only their slice of the input and gather it again in backward
+    (:func:`~parallel_lib.tensor_parallel.regions.sequence_parallel_linear`, as Megatron-LM does).
+
+    The terms, for ``e = bytes_per_element`` and masks of ``mask_bytes``: layer-norm inputs ``2e`` and
+    column-parallel inputs ``2e`` (whole, or ``/t`` under SP), residual dropout masks ``2·mask_bytes``
+    (ditto), q, k, v, the projection's input and the MLP's two ``4h`` tensors ``12e/t``; per attention
+    score (``a·s²·b/t``) the softmax output ``e``, its dropout mask and dropped output ``mask_bytes + e``.
+    The defaults are the paper's 16-bit training with byte masks; ``dropout=False`` leaves the masks
+    and the dropped scores out. Layer norms' statistics (two fp32 values per token and norm) are not
+    counted (the paper leaves them out; they are ``16·b·s`` bytes per block).
+
+    Raises:
+        ValueError: ``bytes_per_element`` or ``mask_bytes`` not an int >= 1.
     """
+    e, m = positive_int("bytes_per_element", bytes_per_element), positive_int("mask_bytes", mask_bytes)
     s, b, h, a = seq, batch, shape.n_embd, shape.n_head
-    scores = 5 * a * s / (h * tp) if attention_scores else 0.0
-    replicated = 10 / tp if sequence_parallel else 10
-    return shape.n_layer * s * b * h * (replicated + 24 / tp + scores)
+    masks = m if dropout else 0
+    scores = (e + (masks + e if dropout else 0)) * a * s / (h * tp) if attention_scores else 0.0
+    kept_whole = 4 * e + 2 * masks  # norms' and column-parallel layers' inputs, residual dropout masks
+    replicated = kept_whole / tp if sequence_parallel else kept_whole
+    return shape.n_layer * s * b * h * (replicated + 12 * e / tp + scores)
 
 
 def training_flops(shape: GPTShape, batch: int, seq: int) -> float:

@@ -48,7 +48,8 @@ class ColumnParallelLinear(nn.Module):
         group: the tensor-parallel process group (None: the default group).
         gather_output: all-gather the output features, so every rank holds all of ``Y``.
         sequence_parallel: the input is this rank's slice of the sequence; all-gather it
-            (instead of ``f``) before the multiply.
+            (instead of ``f``) before the multiply, keep only the slice for backward and gather it
+            again there (:func:`.regions.sequence_parallel_linear`, as Megatron-LM does).
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Any = None,
@@ -74,11 +75,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with R.labelled(self.label):
-            if self.sequence_parallel:
-                x = R.gather_from_sequence_parallel_region(x, self.group)
+            if self.sequence_parallel:  # gathered for the product, only the slice kept for backward (Megatron)
+                y = R.sequence_parallel_linear(x, self.weight, self.bias, self.group)
             else:
-                x = R.copy_to_tensor_parallel_region(x, self.group)
-            y = F.linear(x, self.weight, self.bias)
+                y = F.linear(R.copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
             return R.gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def to_dense(self) -> nn.Linear:

@@ -25,6 +25,11 @@ reduce-scatter to the SP region (after row) reduce-scatter  all-gather
 scatter to the SP region (split a copy)     keep my slice   all-gather
 ==========================================  ==============  ==============
 
+A column-parallel layer behind the gather (:func:`sequence_parallel_linear`) does as Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication``: it keeps for backward only this rank's slice
+of its input, not the gathered whole, and gathers it again in backward for the weight's gradient.
+One all-gather more per column-parallel layer and step buys ``(t - 1)/t`` of the input's bytes.
+
 Every operator calls ``torch.distributed`` through the module attribute (``dist.x``),
 so :func:`parallel_lib.runtime.count_collectives` counts it; and every call is
 appended to the active :func:`record_regions` traces, which the chapter's widget replays.
@@ -44,7 +49,7 @@ from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 __all__ = ["RegionEvent", "record_regions", "group_size", "group_rank", "copy_to_tensor_parallel_region",
            "reduce_from_tensor_parallel_region", "gather_from_tensor_parallel_region",
            "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-           "scatter_to_sequence_parallel_region"]
+           "scatter_to_sequence_parallel_region", "sequence_parallel_linear"]
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden) everywhere in this package
 
@@ -227,6 +232,32 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return out, None
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """All-gather the sequence and multiply, keeping only this rank's slice of the input for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                group: Any) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        whole = _all_gather(x, SEQUENCE_DIM, group)
+        _note(ctx, "gather_sp", "forward", "all_gather", x, whole)
+        ctx.save_for_backward(x, weight)  # the slice, not the gathered whole (Megatron's sequence parallelism)
+        return torch.nn.functional.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        whole = _all_gather(x, SEQUENCE_DIM, ctx.group)  # gathered again, for the weight's gradient
+        _note(ctx, "regather_sp", "backward", "all_gather", x, whole)
+        grad_whole = grad @ weight  # each rank's share of the input's gradient: partial sums
+        grad_x = _reduce_scatter(grad_whole, SEQUENCE_DIM, ctx.group)
+        _note(ctx, "gather_sp", "backward", "reduce_scatter", grad_whole, grad_x)
+        rows, grad_rows = whole.reshape(-1, whole.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_rows.t() @ rows
+        grad_bias = grad_rows.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -265,6 +296,22 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Optional[Any] =
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
     """Reduce-scatter along the sequence forward, all-gather of the gradient backward."""
     return _ReduceScatterToSP.apply(x, group)
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                             group: Optional[Any] = None) -> torch.Tensor:
+    """``linear(gather_from_sequence_parallel_region(x), weight, bias)``, keeping only ``x`` (the slice) for backward.
+
+    Args:
+        x: this rank's slice of the sequence, (b, s/t, in).
+        weight: this rank's rows of the column-parallel weight, (out/t, in); bias: (out/t,) or None.
+        group: the tensor-parallel group (None: the default group).
+
+    Returns:
+        (b, s, out/t): this rank's output features over the whole sequence. In backward the slice is
+        all-gathered again for the weight's gradient, and the input's gradient reduce-scattered.
+    """
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:

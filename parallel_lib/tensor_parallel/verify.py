@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from parallel_lib.common.activations import SavedTensors
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.models.attention import allowed_keys
@@ -24,7 +26,7 @@ from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel_lib.tensor_parallel.batches import TPConfig, make_batches
 
-__all__ = ["mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "many", "diff"]
+__all__ = ["mlp_check", "gpt2_check", "bad_input_check", "layer_trace", "block_saved_bytes", "many", "diff"]
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,12 +66,15 @@ def mlp_check(rank: int, world_size: int, sequence_parallel: bool = False, hidde
                 row_bias_grad=diff(row_bias_grad, dense_row.bias.grad), collectives=counter.by_kind())
 
 
-def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = False) -> dict[str, Any]:
+def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = False,
+               recompute: bool = False) -> dict[str, Any]:
     """Tensor-parallel GPT-2 against Hugging Face's dense model on one padded batch.
 
     Returns the largest differences of the logits (on tokens that are not padding), the
     loss and every parameter's gradient (gathered into the dense layout), and the step's
-    counted collectives (forward and backward).
+    counted collectives (forward and backward). With ``recompute`` every block runs under
+    ``torch.utils.checkpoint`` (keeps its input, runs its forward again in backward), so the
+    counted step holds the recomputed forward's collectives too.
     """
     dense = build_gpt2(config.model, config.vocab_size, config.seed, **config.overrides())
     model = tensor_parallelize(dense, None, config.sequence_parallel, naive_qkv=naive_qkv)
@@ -80,11 +85,15 @@ def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = F
     loss = (ce * weights.flatten()).sum() / weights.sum()
     loss.backward()
 
+    blocks = model.transformer.h
+    if recompute:  # the same blocks (same parameters), each behind a checkpoint
+        model.transformer.h = nn.ModuleList(_Recomputed(b) for b in blocks)
     with count_collectives() as counter:
         mine = model(ids, mask)
         forward_calls = counter.by_kind()
         my_loss = model.loss(mine, labels, weights)
         my_loss.backward()
+    model.transformer.h = blocks
     sync_sequence_parallel_grads(model)
     gathered_logits = R._all_gather(mine.detach(), -1, None)
     for p in model.parameters():  # carry the gradients through gather_dense by swapping them in
@@ -94,6 +103,23 @@ def gpt2_check(rank: int, world_size: int, config: TPConfig, naive_qkv: bool = F
     grad_diff = max(diff(g, p.grad) for (name, g), p in zip(grads.named_parameters(), dense.parameters()))
     return dict(logits=diff(gathered_logits[keep], logits[keep]), loss=diff(my_loss, loss),
                 grads=grad_diff, forward=forward_calls, step=counter.by_kind())
+
+
+class _Recomputed(nn.Module):
+    """A block that keeps only its input and runs its whole forward again in backward (full recomputation).
+
+    As Megatron's recomputation does, the whole forward: torch's non-reentrant checkpoint would stop
+    by default once it has what backward needs, before the MLP's closing all-reduce (one of the
+    block's two), so early stopping is turned off here.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self.block, x, allowed, cache, use_reentrant=False)
 
 
 def bad_input_check(rank: int, world_size: int) -> dict[str, str]:
@@ -132,6 +158,26 @@ def layer_trace(rank: int, world_size: int, sequence_parallel: bool = False, bat
         y = model.transformer.h[0](x, allowed_keys(seq))
         y.sum().backward()
     return trace
+
+
+def block_saved_bytes(rank: int, world_size: int, sequence_parallel: bool = False, dropout: float = 0.0,
+                      batch: int = 2, seq: int = 16) -> int:
+    """Bytes autograd saves for backward in one forward of one tensor-parallel GPT-2 block (the tensor census).
+
+    :class:`~parallel_lib.common.activations.SavedTensors` counts each storage once and leaves the
+    parameters out; the block's input is a leaf (not counted), the attention mask (``s²`` bools the
+    whole model shares) is. Under sequence parallelism the input is this rank's slice of the sequence.
+    """
+    model = tensor_parallelize(build_gpt2("tiny", vocab_size=64 * world_size, n_layer=1, resid_pdrop=dropout,
+                                          attn_pdrop=dropout, embd_pdrop=dropout), None, sequence_parallel)
+    model.train()
+    local_seq = seq // world_size if sequence_parallel else seq
+    x = torch.randn(batch, local_seq, model.config.n_embd, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    with SavedTensors(model) as saved:
+        y = model.transformer.h[0](x, allowed_keys(seq))
+    y.sum().backward()
+    return saved.nbytes
 
 
 def many(rank: int, world_size: int, calls: list[tuple[Any, tuple]]) -> list[Any]:

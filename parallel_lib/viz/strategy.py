@@ -17,14 +17,17 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
+from parallel_lib.planner.hardware import Links
 from parallel_lib.planner.strategy import PART_ONE, Plan, plan
 from parallel_lib.viz.memory import DEVICE_GIB, PARTS
 
 __all__ = ["plot_plan", "plot_decision_map", "plot_measured", "strategy_widget"]
 
 STRATEGY_COLORS = {"DP": "#4C72B0", "MP": "#8172B3", "PP": "#DD8452", "DP×PP": "#55A868"}
-LINKS = [("PCIe 4.0 x16 · 25 GB/s", 25e9), ("NVLink (A100) · 300 GB/s", 300e9),
-         ("100 Gb/s Ethernet · 12.5 GB/s", 12.5e9)]
+# the clusters the widget offers: each group priced on the link it crosses (NVLink inside a node, the network across)
+LINKS = [("DGX H100 · NVLink 450 / InfiniBand 50 GB/s", Links.of("H100")),
+         ("DGX A100 · NVLink 300 / InfiniBand 25 GB/s", Links.of("A100")),
+         ("PCIe 4.0 x16 25 / 100 Gb/s Ethernet 12.5 GB/s", Links(25e9, 12.5e9, 8, "PCIe", "Ethernet"))]
 
 
 def plot_plan(chosen: Plan, ax: Optional[Axes] = None) -> Figure:
@@ -131,7 +134,7 @@ def strategy_widget(model: str = "llama-2-7b", seq_len: int = 4096, batch_size: 
         batch_size=w.IntSlider(value=batch_size, min=1, max=512, description="sequences per step", style=style),
         gpu_gib=w.Dropdown(options=DEVICE_GIB, value=gpu_gib, description="GPU memory", style=style),
         n_gpus=w.IntSlider(value=n_gpus, min=1, max=64, description="GPUs", style=style),
-        bandwidth=w.Dropdown(options=LINKS, value=LINKS[0][1], description="links", style=style),
+        links=w.Dropdown(options=LINKS, value=LINKS[0][1], description="links", style=style),
     )
     report, output = w.HTML(), w.Output()
 

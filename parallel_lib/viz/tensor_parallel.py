@@ -28,6 +28,7 @@ HOLDINGS = {
     ("f", "forward"): ("whole", "whole"), ("f", "backward"): ("partial", "whole"),
     ("g", "forward"): ("partial", "whole"), ("g", "backward"): ("whole", "whole"),
     ("gather_sp", "forward"): ("slice", "whole"), ("gather_sp", "backward"): ("partial", "slice"),
+    ("regather_sp", "backward"): ("slice", "whole"),
     ("reduce_scatter_sp", "forward"): ("partial", "slice"), ("reduce_scatter_sp", "backward"): ("slice", "whole"),
     ("scatter_sp", "forward"): ("whole", "slice"), ("scatter_sp", "backward"): ("slice", "whole"),
     ("gather_tp", "forward"): ("slice", "whole"), ("gather_tp", "backward"): ("whole", "slice"),
@@ -38,6 +39,7 @@ WEIGHTS = {"attention": (("c_attn: q|k|v by heads", "column"), ("c_proj", "row")
            "embedding": (("wte: vocabulary rows", "row"),), "head": (("wte (tied): vocabulary rows", "row"),)}
 NAMES = {"f": "f (copy to the TP region)", "g": "g (reduce from the TP region)",
          "gather_sp": "gather from the SP region", "reduce_scatter_sp": "reduce-scatter to the SP region",
+         "regather_sp": "gather the kept slice again (for the weight's gradient)",
          "scatter_sp": "scatter to the SP region", "gather_tp": "gather the output features"}
 
 
