@@ -7,7 +7,8 @@ runs to see that happen, chapter by chapter, each printing its table:
 
 ``setup`` (00), ``dp`` (01), ``allreduce`` (02), ``model_parallel`` (03), ``pipeline`` (04),
 ``hybrid`` (05), ``sharding`` (06), ``tensor_parallel`` (07), ``schedules`` (08), ``inference``
-(09), ``grid3d`` (10) and ``context_parallel`` (11); ``--only NAME`` runs chapter NN's ``parallel_lib/gpu_checks/chNN_NAME.py``,
+(09), ``grid3d`` (10), ``context_parallel`` (11), ``expert_parallel`` (12) and ``serving`` (13);
+``--only NAME`` runs chapter NN's ``parallel_lib/gpu_checks/chNN_NAME.py``,
 and the printed plan says what each does and how many GPUs it needs.
 
 The checks are a registry, :data:`parallel_lib.gpu_checks.CHECKS` (name -> chapter and check

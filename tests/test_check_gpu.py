@@ -41,19 +41,23 @@ def test_device_counts_are_powers_of_two_and_all_devices(n_devices, n_layers, ex
          ("sharding", 0, "needs >= 2 GPUs, found 0"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 0"), ("schedules", 0, "needs >= 2 GPUs, found 0"),
          ("inference", 0, "needs >= 1 GPU, found 0"),
-         ("grid3d", 0, "needs >= 2 GPUs, found 0"), ("context_parallel", 0, "needs >= 2 GPUs, found 0"), ("expert_parallel", 0, "needs >= 2 GPUs, found 0")]),
+         ("grid3d", 0, "needs >= 2 GPUs, found 0"), ("context_parallel", 0, "needs >= 2 GPUs, found 0"),
+         ("expert_parallel", 0, "needs >= 2 GPUs, found 0"), ("serving", 0, "needs >= 1 GPU, found 0")]),
     (1, [("setup", 1, ""), ("dp", 0, "needs >= 2 GPUs, found 1"), ("allreduce", 0, "needs >= 2 GPUs, found 1"),
          ("model_parallel", 1, ""), ("pipeline", 0, "needs >= 2 GPUs, found 1"),
          ("hybrid", 0, "needs >= 2 GPUs, found 1"), ("sharding", 0, "needs >= 2 GPUs, found 1"),
          ("tensor_parallel", 0, "needs >= 2 GPUs, found 1"), ("schedules", 0, "needs >= 2 GPUs, found 1"),
          ("inference", 1, ""), ("grid3d", 0, "needs >= 2 GPUs, found 1"),
-         ("context_parallel", 0, "needs >= 2 GPUs, found 1"), ("expert_parallel", 0, "needs >= 2 GPUs, found 1")]),
+         ("context_parallel", 0, "needs >= 2 GPUs, found 1"), ("expert_parallel", 0, "needs >= 2 GPUs, found 1"),
+         ("serving", 1, "")]),
     (2, [("setup", 2, ""), ("dp", 2, ""), ("allreduce", 2, ""), ("model_parallel", 2, ""), ("pipeline", 2, ""),
          ("hybrid", 2, ""), ("sharding", 2, ""), ("tensor_parallel", 2, ""), ("schedules", 2, ""),
-         ("inference", 2, ""), ("grid3d", 2, ""), ("context_parallel", 2, ""), ("expert_parallel", 2, "")]),
+         ("inference", 2, ""), ("grid3d", 2, ""), ("context_parallel", 2, ""), ("expert_parallel", 2, ""),
+         ("serving", 2, "")]),
     (4, [("setup", 4, ""), ("dp", 4, ""), ("allreduce", 4, ""), ("model_parallel", 4, ""), ("pipeline", 4, ""),
          ("hybrid", 4, ""), ("sharding", 4, ""), ("tensor_parallel", 4, ""), ("schedules", 4, ""),
-         ("inference", 4, ""), ("grid3d", 4, ""), ("context_parallel", 4, ""), ("expert_parallel", 4, "")]),
+         ("inference", 4, ""), ("grid3d", 4, ""), ("context_parallel", 4, ""), ("expert_parallel", 4, ""),
+         ("serving", 4, "")]),
 ])
 def test_plan_by_gpu_count(n_gpus, expected):
     assert plan(n_gpus) == [Planned(*row) for row in expected]
@@ -65,10 +69,10 @@ def test_plan_splits_the_model_over_at_most_one_gpu_per_layer():
 
     assert quick == {"setup": 8, "hybrid": 8, "dp": 8, "allreduce": 8, "model_parallel": 4, "pipeline": 4, "sharding": 8,
                      "tensor_parallel": 8, "schedules": 4, "inference": 8,
-                     "grid3d": 8, "context_parallel": 8, "expert_parallel": 8}
+                     "grid3d": 8, "context_parallel": 8, "expert_parallel": 8, "serving": 8}
     assert full == {"setup": 16, "hybrid": 16, "dp": 16, "allreduce": 16, "model_parallel": 12, "pipeline": 12, "sharding": 16,
                     "tensor_parallel": 16, "schedules": 12, "inference": 16,
-                    "grid3d": 16, "context_parallel": 16, "expert_parallel": 16}
+                    "grid3d": 16, "context_parallel": 16, "expert_parallel": 16, "serving": 16}
 
 
 def test_plan_only_and_its_table():
@@ -92,7 +96,8 @@ def test_the_registry_has_one_check_per_chapter_and_takes_new_ones(monkeypatch):
         ("pipeline", "04_pipeline_parallel"), ("hybrid", "05_choosing_a_strategy"),
         ("sharding", "06_sharded_data_parallel"),
         ("tensor_parallel", "07_tensor_parallel"), ("schedules", "08b_v_shapes_and_hangs"), ("inference", "09_inference"),
-        ("grid3d", "10_training_at_scale"), ("context_parallel", "11_long_context"), ("expert_parallel", "12_mixture_of_experts")]
+        ("grid3d", "10_training_at_scale"), ("context_parallel", "11_long_context"),
+        ("expert_parallel", "12_mixture_of_experts"), ("serving", "13_serving_engine")]
     monkeypatch.setattr(gpu_checks, "CHECKS", dict(CHECKS))
     register_check("zero", Check("06_sharding", 2, "ZeRO on NCCL ranks", lambda n, quick: "zero table"))
     assert [(p.name, p.gpus) for p in plan(4)][-1] == ("zero", 4)  # the next chapter: one line, then it runs
@@ -165,11 +170,12 @@ def test_main_allow_cpu_runs_every_check_on_cpu_devices_with_the_quick_sizes(mon
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
                            ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
-                           ("context_parallel", 2, True), ("expert_parallel", 2, True)]
+                           ("context_parallel", 2, True), ("expert_parallel", 2, True), ("serving", 2, True)]
     assert "## 01_data_parallel: dp on 2 CPU devices\n\ntable of dp" in capsys.readouterr().out
     fake_checks.clear()
     assert check_gpu.main(["--allow-cpu", "--gpus", "1"]) == 0
-    assert fake_checks == [("setup", 1, True), ("model_parallel", 1, True), ("inference", 1, True)]
+    assert fake_checks == [("setup", 1, True), ("model_parallel", 1, True), ("inference", 1, True),
+                           ("serving", 1, True)]
 
 
 def test_main_that_can_run_no_selected_check_is_no_pass(monkeypatch, fake_checks, capsys):
@@ -188,11 +194,11 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
                            ("model_parallel", 2, True), ("pipeline", 2, True), ("hybrid", 2, True), ("sharding", 2, True),
                            ("tensor_parallel", 2, True),
                            ("schedules", 2, True), ("inference", 2, True), ("grid3d", 2, True),
-                           ("context_parallel", 2, True), ("expert_parallel", 2, True)]
+                           ("context_parallel", 2, True), ("expert_parallel", 2, True), ("serving", 2, True)]
     captured = capsys.readouterr()
     assert "## 03_model_parallel: model_parallel on 2 GPUs\n\ntable of model_parallel" in captured.out
     assert "CheckError: Pipe on 2 stages does not match one device" in captured.err  # and the others ran
-    summary = captured.out.splitlines()[-17:-2]
+    summary = captured.out.splitlines()[-18:-2]
     assert summary[:2] == ["| check | chapter | status | wall seconds |", "|---|---|---|---:|"]
     total = captured.out.splitlines()[-1]  # each chapter's wall time, and their sum
     seconds = [float(line.split(" | ")[-1].rstrip(" |")) for line in summary[2:]]
@@ -205,14 +211,15 @@ def test_main_runs_the_plan_and_reports_a_failed_check(monkeypatch, fake_checks,
         ["| tensor_parallel", "07_tensor_parallel", "passed"], ["| schedules", "08b_v_shapes_and_hangs", "passed"],
         ["| inference", "09_inference", "passed"],
         ["| grid3d", "10_training_at_scale", "passed"], ["| context_parallel", "11_long_context", "passed"],
-        ["| expert_parallel", "12_mixture_of_experts", "passed"]]
+        ["| expert_parallel", "12_mixture_of_experts", "passed"], ["| serving", "13_serving_engine", "passed"]]
 
 
 def test_main_with_one_gpu_runs_the_checks_that_need_one(monkeypatch, fake_checks):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
     assert check_gpu.main([]) == 0
-    assert fake_checks == [("setup", 1, False), ("model_parallel", 1, False), ("inference", 1, False)]
+    assert fake_checks == [("setup", 1, False), ("model_parallel", 1, False), ("inference", 1, False),
+                           ("serving", 1, False)]
 
 
 def test_main_uses_the_gpus_asked_for(monkeypatch, fake_checks, capsys):
@@ -370,3 +377,48 @@ def test_the_context_parallel_check_compares_pytorch_with_ours_where_it_runs():
                        (dict(refused, ours=1e-2), "our ring attention \\(zig-zag\\) at cp=2 differs from SDPA")):
         with pytest.raises(CheckError, match=match):
             pytorch_beside_ours(2, 0.0, [ran, bad])
+
+
+def test_serving_check_on_the_cpu_compares_every_engine_with_hugging_face_and_times_by_device_events(monkeypatch):
+    """Chapter 13's check, quick, on the CPU: the engine's tokens vs Hugging Face's on the same device, timed by
+    a recorder of that device (CUDA events on a GPU) and never by synchronising; a wrong token fails it."""
+    from parallel_lib.gpu_checks import ch13_serving
+
+    recorders = []
+
+    class Recorded(ch13_serving.TimelineRecorder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            recorders.append(self)
+
+    def no_synchronize(*args, **kwargs):
+        raise AssertionError("the serving check must not synchronise the device to take a time")
+
+    monkeypatch.setattr(ch13_serving, "TimelineRecorder", Recorded)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_synchronize)
+    table = ch13_serving.check_serving(1, quick=True)
+
+    assert [r.device for r in recorders] == [torch.device("cpu")]       # the model's device: events on a GPU
+    assert [e.lane for e in recorders[0].events] == ["hf", "continuous batching",
+                                                     "+ chunked prefill (16 tokens/step)",
+                                                     "+ speculative decoding (k=4, draft: first layer)"]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| continuous", "| +"))]
+    assert [(r[0], r[1]) for r in rows] == [("| continuous batching", "12/12"),
+                                            ("| + chunked prefill (16 tokens/step)", "12/12"),
+                                            ("| + speculative decoding (k=4, draft: first layer)", "12/12")]
+    assert "on cpu: 12 greedy requests" in table
+    # an engine that gets one token wrong fails the check, naming the request
+    run = ch13_serving.ServingEngine.run
+
+    def off_by_one(engine, requests):
+        results = run(engine, requests)
+        results[3].tokens[-1] = (results[3].tokens[-1] + 1) % 97
+        return results
+
+    monkeypatch.setattr(ch13_serving.ServingEngine, "run", off_by_one)
+    with pytest.raises(CheckError, match="continuous batching on cpu: 1 of 12 requests got other tokens than "
+                                         "Hugging Face generate, e.g. request 3"):
+        ch13_serving.check_serving(1, quick=True)
+    # without a GPU and without --allow-cpu nothing is checked, and that is no pass
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert check_gpu.main(["--only", "serving"]) == NOTHING_CHECKED

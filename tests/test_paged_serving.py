@@ -17,6 +17,7 @@ from parallel_lib.inference import Engine, Request, Result, ServeConfig
 from parallel_lib.serving import (BlockManager, PagedKVCache, PrefixCache, Scheduler, Sequence, ServingEngine,
                                   block_hashes, blocks_for, kv_waste, poisson_trace, replay_continuous, replay_static,
                                   slots_of, trace_metrics)
+from parallel_lib.serving.goodput import goodput
 
 CONFIG = ServeConfig(initializer_range=0.3)
 REQUESTS = [Request(p, n) for p, n in zip(PROMPTS, NEW)]
@@ -143,6 +144,11 @@ def test_a_pool_too_small_for_the_batch_preempts_recomputes_and_still_gives_the_
     readmitted = {i for r in engine.records for i in r.admitted if i in victims}
     assert victims and victims == readmitted                                  # each came back and finished
     assert engine.blocks.num_free() == 6
+    # keeping the last 3 records only: the same tokens, and the counts still cover every step
+    bounded = ServingEngine(model, num_blocks=6, block_size=4, max_batch=4, keep_records=3)
+    assert [r.tokens for r in bounded.run(REQUESTS)] == expected
+    assert [r.step for r in bounded.records] == [len(engine.records) - 3 + i for i in range(3)]
+    assert bounded.steps == len(engine.records) and bounded.preemptions == engine.preemptions
 
 
 def test_sampled_requests_get_chapter_09s_tokens_even_when_preempted(model):
@@ -264,6 +270,8 @@ def test_bad_arguments_and_requests_are_refused_by_name(model, expected):
         ServingEngine(model, num_blocks=4, block_size=0)
     with pytest.raises(ValueError, match="max_batch"):
         ServingEngine(model, num_blocks=4, max_batch=0)
+    with pytest.raises(ValueError, match="keep_records must be an int >= 1, got keep_records=0; None keeps every"):
+        ServingEngine(model, num_blocks=4, keep_records=0)
     engine = ServingEngine(model, num_blocks=2, block_size=4)
     with pytest.raises(TypeError, match="Request"):
         engine.add([1, 2, 3])
@@ -323,7 +331,21 @@ def test_static_and_continuous_replays_of_one_trace_give_the_same_tokens_and_tim
     assert metrics.ttft_p50 <= metrics.ttft_p99
 
 
-def test_the_serving_benchmark_quick_run_prints_both_engines(capsys):
+def test_goodput_counts_the_requests_that_met_both_latency_bounds_per_second():
+    results = [Result(0, [1, 2, 3], arrival=0.0, token_times=[0.1, 0.2, 0.3]),    # TTFT 0.1, TPOT 0.1: meets
+               Result(1, [1, 2], arrival=0.5, token_times=[0.9, 1.0]),            # TTFT 0.4: too late
+               Result(2, [1, 2], arrival=1.0, token_times=[1.1, 1.5]),            # TPOT 0.4: too slow
+               Result(3, [1], arrival=1.5, token_times=[1.6]),                    # one token, no TPOT: meets
+               Result(4, [], error="refused", arrival=0.0)]                       # not served
+    assert goodput(results, 0.2, 0.2).per_second == pytest.approx(2 / 1.6)   # over first arrival .. last token
+    assert goodput(results, 1.0, 1.0).per_second == pytest.approx(4 / 1.6)
+    with pytest.raises(ValueError, match="ttft_slo"):
+        goodput(results, 0.0, 0.2)
+    with pytest.raises(ValueError, match="at least one request that got tokens"):
+        goodput(results[4:], 0.2, 0.2)
+
+
+def test_the_serving_benchmark_quick_run_prints_every_engine_and_the_endpoint_under_load(capsys):
     assert bench_dispatch(["serving", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "| static (chapter 09) | 8 |" in out and "| continuous, paged (chapter 13) | 8 |" in out
@@ -331,3 +353,7 @@ def test_the_serving_benchmark_quick_run_prints_both_engines(capsys):
     assert "same tokens for every request: yes" in out
     assert "| + prefix caching | 8 |" in out and "% of prompt blocks taken from the cache" in out
     assert "| speculative, k=2, draft: first 1 layer(s) |" in out and "| yes |" in out.split("Speculative")[1]
+    assert "| + speculative decoding (k=2, draft: first 1 layer(s)) | 8 |" in out and "% of " in out
+    # the endpoint, driven by 32 concurrent clients: every request completed, none lost, the engines' tokens
+    assert "| 32 | 32 | 32 | 0 | 0 |" in out and "lost: 0; the engines' tokens: yes" in out
+    assert out.count("goodput req/s |") == 3

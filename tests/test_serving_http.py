@@ -78,7 +78,7 @@ def model():
 @pytest.fixture(scope="module")
 def server(model):
     engine = ServingEngine(model, num_blocks=160, block_size=4, max_batch=16)
-    with CompletionServer(engine, model="tiny", tokenizer=Chars(), max_tokens=120) as server:
+    with CompletionServer(engine, model="tiny", tokenizer=Chars(), max_tokens=120, keep_records=16) as server:
         yield server
     assert serving_threads() == []
 
@@ -147,6 +147,9 @@ def test_32_concurrent_clients_lose_no_request_and_every_block_comes_back(server
     assert report.metrics.throughput > 0 and report.metrics.ttft_p50 <= report.metrics.ttft_p99
     assert "| 32 | 64 | 64 | 0 | 0 |" in markdown(report, "this machine")
     assert wait_until(lambda: server.frontend.live() == 0) and free_blocks(server) == start
+    with server.frontend.paused() as engine:  # a long-running server keeps its engine's newest 16 step records
+        assert len(engine.records) == 16 < engine.steps
+        assert [r.step for r in engine.records] == list(range(engine.steps - 16, engine.steps))
     with pytest.raises(ValueError, match="host must be a loopback address"):
         run_load("10.1.2.3", server.port, bodies)
 

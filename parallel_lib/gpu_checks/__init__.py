@@ -32,6 +32,7 @@ from parallel_lib.gpu_checks.ch09_inference import check_inference
 from parallel_lib.gpu_checks.ch10_grid3d import check_grid3d
 from parallel_lib.gpu_checks.ch11_context_parallel import check_context_parallel
 from parallel_lib.gpu_checks.ch12_expert_parallel import check_expert_parallel
+from parallel_lib.gpu_checks.ch13_serving import check_serving
 
 __all__ = ["Check", "CHECKS", "register_check", "CheckError", "Workload", "FULL", "QUICK", "workload_for",
            "device_counts", "free_memory"]
@@ -111,3 +112,6 @@ register_check("context_parallel", Check("11_long_context", 2, "ring (both layou
 register_check("expert_parallel", Check("12_mixture_of_experts", 2, "mixture of experts over NCCL ranks (ep): "
                                         "equivalence with one process, all-to-all bytes vs the formula, load with "
                                         "and without the balancing loss", check_expert_parallel))
+register_check("serving", Check("13_serving_engine", 1, "the paged engine on cuda:0 (continuous, chunked, "
+                                "speculative), greedy: Hugging Face generate's tokens on the same device",
+                                check_serving))

@@ -10,7 +10,8 @@
 - :mod:`.waste`: KV slots held but unused, paged vs chapter 09's ``max_len`` reservation;
 - :mod:`.trace`: a seeded Poisson request trace replayed through static and continuous batching;
 - :mod:`.layout`: one step's batch over the block tables, flat or padded, built with tensor operations;
-- :mod:`.speculative`: a draft model guesses k tokens, the target checks them in one pass;
+- :mod:`.speculative`: a draft model guesses k tokens, the target checks them in one pass (inside the engine);
+- :mod:`.speculative_decoder`: speculative decoding of a list of requests in one call;
 - :mod:`.frontend`: one engine thread stepping, many client threads submitting, a queue of updates each;
 - :mod:`.completion_request`: what a completion request's body may hold, checked field by field;
 - :mod:`.http`: ``POST /v1/completions`` in OpenAI's shape (streamed as server-sent events), on 127.0.0.1;
@@ -24,12 +25,13 @@ The last seven are imported from their modules (``python -m parallel_lib.serving
 
 from parallel_lib.serving.block_manager import BlockManager, blocks_for
 from parallel_lib.serving.engine import ServingEngine, StepRecord
-from parallel_lib.serving.layout import StepLayout, paged_forward, step_layout
+from parallel_lib.serving.layout import StepLayout, flat_is_cheaper, paged_forward, step_layout
 from parallel_lib.serving.paged_kv_cache import PagedKVCache, PagedStep, slots_of
 from parallel_lib.serving.prefix_cache import PrefixCache, block_hashes
 from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
-from parallel_lib.serving.speculative import (SpeculativeDecoder, SpeculativeStats, draft_from_target, draw,
-                                              probabilities, verify_token)
+from parallel_lib.serving.speculative import (Drafter, SpeculativeSequence, SpeculativeStats, draft_from_target, draw,
+                                              pick, probabilities, verify_token)
+from parallel_lib.serving.speculative_decoder import SpeculativeDecoder
 from parallel_lib.serving.trace import (Arrival, TraceMetrics, poisson_trace, replay_continuous, replay_static,
                                        trace_metrics)
 from parallel_lib.serving.waste import KVWaste, kv_waste
@@ -37,5 +39,5 @@ from parallel_lib.serving.waste import KVWaste, kv_waste
 __all__ = ["BlockManager", "blocks_for", "ServingEngine", "StepRecord", "PagedKVCache", "PagedStep", "slots_of",
            "PrefixCache", "block_hashes", "Scheduled", "Scheduler", "Sequence", "KVWaste", "kv_waste",
            "Arrival", "TraceMetrics", "poisson_trace", "replay_continuous", "replay_static", "trace_metrics",
-           "StepLayout", "paged_forward", "step_layout", "SpeculativeDecoder", "SpeculativeStats", "draft_from_target",
-           "draw", "probabilities", "verify_token"]
+           "StepLayout", "paged_forward", "step_layout", "flat_is_cheaper", "Drafter", "SpeculativeSequence",
+           "SpeculativeDecoder", "SpeculativeStats", "draft_from_target", "draw", "pick", "probabilities", "verify_token"]

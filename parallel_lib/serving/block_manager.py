@@ -171,10 +171,26 @@ class BlockManager:
         if seq not in self.tables:
             raise KeyError(f"sequence {seq!r} holds no blocks")
         for block in reversed(self.tables.pop(seq)):
-            self.refs[block] -= 1
-            if self.refs[block] == 0 and not self.cache.release(block):
-                self.free_list.append(block)
+            self._release(block)
         self.hashes.pop(seq, None)
+
+    def truncate(self, seq: Hashable, length: int) -> None:
+        """Give back ``seq``'s blocks past the ones that hold ``length`` tokens (a speculative step's lookahead).
+
+        Raises:
+            KeyError: ``seq`` holds no blocks.
+        """
+        if seq not in self.tables:
+            raise KeyError(f"sequence {seq!r} holds no blocks")
+        table = self.tables[seq]
+        while len(table) > blocks_for(length, self.block_size):
+            self._release(table.pop())
+
+    def _release(self, block: int) -> None:
+        """Drop one reference to ``block``; the last one frees it (or keeps it, evictable, when it is named)."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0 and not self.cache.release(block):
+            self.free_list.append(block)
 
     @property
     def hit_rate(self) -> float:

@@ -21,29 +21,41 @@ Each step appends a :class:`StepRecord`: which requests ran (prefill or decode),
 preempted or finished, every running request's block table and length, and the free blocks. The
 widget of the chapter replays these records; :mod:`.waste` measures memory from them.
 
+**Speculative decoding** (:mod:`.speculative`): given a draft model and ``k``, every sequence that
+samples in a step first gets up to ``k`` guesses from the draft (:class:`~.speculative.Drafter`),
+and the step's one pass feeds it its new tokens and the guesses, beside prefills and chunks; its
+last ``guesses + 1`` logits accept a prefix of the guesses and add the target's own next token.
+The guesses are not counted in ``max_step_tokens``. A record says how many each request proposed
+and had accepted (``proposed``, ``accepted``).
+
 Requests, results and sampling are chapter 09's (:mod:`parallel_lib.inference.batch`), so a request
 gets the same tokens here as from :class:`parallel_lib.inference.Engine`, and, greedy, as from
 Hugging Face's ``generate``. A request whose prompt holds a token outside the vocabulary gets its
 error in its result (chapter 09's :func:`~parallel_lib.inference.engine.admit`); one that could never
 fit the pool, or the model's context, is refused with a ValueError when it is added.
+
+A long-running engine (behind :mod:`.http`) keeps only its last ``keep_records`` records; counts such
+as :attr:`ServingEngine.preemptions` and :attr:`ServingEngine.steps` cover every step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any, Callable, Optional, Sequence as Seq
 
 import torch
 
-from parallel_lib.common.checks import check_number, positive_int
+from parallel_lib.common.checks import check_int, check_number, positive_int
 from parallel_lib.inference.batch import Request, Result, check_requests, sample
 from parallel_lib.inference.engine import admit
 from parallel_lib.models.hf import as_gpt2
 from parallel_lib.serving.block_manager import BlockManager, blocks_for
-from parallel_lib.serving.layout import StepLayout, paged_forward, step_layout
+from parallel_lib.serving.layout import StepLayout, flat_is_cheaper, paged_forward, step_layout
 from parallel_lib.serving.paged_kv_cache import PagedKVCache
 from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
+from parallel_lib.serving.speculative import Drafter, SpeculativeSequence
 
 __all__ = ["StepRecord", "ServingEngine"]
 
@@ -61,7 +73,8 @@ class StepRecord:
         free_blocks: blocks free (or evictable) after the step.
         start, end: seconds on the engine's clock.
         flat: the step ran flat (one row) rather than padded (a row per sequence).
-        fed: tokens each request fed (its whole prompt, a chunk of it, or 1 for a decode).
+        fed: tokens each request fed (its whole prompt, a chunk of it, or 1 for a decode), guesses not counted.
+        proposed, accepted: with a draft, the guesses each request that sampled made and had accepted.
     """
 
     step: int
@@ -77,6 +90,14 @@ class StepRecord:
     end: float
     flat: bool = False
     fed: dict[int, int] = field(default_factory=dict)
+    proposed: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Guesses accepted / proposed in this step (NaN when none was proposed)."""
+        proposed = sum(self.proposed.values())
+        return sum(self.accepted.values()) / proposed if proposed else float("nan")
 
 
 class ServingEngine:
@@ -89,15 +110,24 @@ class ServingEngine:
         max_batch: sequences in one step at most.
         prefix_caching: share full prompt blocks between requests (:mod:`.prefix_cache`).
         max_step_tokens: tokens one step feeds at most: chunked prefill (:mod:`.scheduler`); None: no limit.
+        draft: a draft model (the one GPT-2 or Hugging Face's, same vocabulary and device) to speculate with;
+            None: no speculation.
+        k: with a draft, guesses per sequence and step at most.
+        keep_records: keep only the last this many step records (a long-running server); None: all.
 
     The pool and every step's inputs live on the model's device, in its dtype.
 
+    Attributes:
+        drafter: the :class:`~.speculative.Drafter` with its statistics (``drafter.stats``), or None.
+
     Raises:
-        ValueError: a count below 1, or ``max_step_tokens`` below ``max_batch``.
+        ValueError: a count below 1, ``max_step_tokens`` below ``max_batch``, ``k`` below 0, or a draft
+            whose vocabulary or device is not the model's.
     """
 
     def __init__(self, model: Any, num_blocks: int, block_size: int = 16, max_batch: int = 8,
-                 prefix_caching: bool = False, max_step_tokens: Optional[int] = None) -> None:
+                 prefix_caching: bool = False, max_step_tokens: Optional[int] = None, draft: Any = None,
+                 k: int = 4, keep_records: Optional[int] = None) -> None:
         self.model = as_gpt2(model).eval()
         config = self.model.config
         param = next(self.model.parameters())
@@ -109,11 +139,27 @@ class ServingEngine:
                                   config.n_embd // config.n_head, param.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, positive_int("max_batch", max_batch), max_step_tokens)
         self.block_size = block_size
+        self.drafter = None if draft is None else Drafter(draft, self.blocks, self.vocab_size, self.device, k)
         self.records: list[StepRecord] = []
+        self.keep_records = keep_records
+        self.steps = 0          # steps run so far (records may keep fewer)
+        self.preemptions = 0    # sequences preempted so far (each counted once per preemption)
         self.results: dict[int, Result] = {}
         # called with each sequence as it finishes, before its blocks are freed (a prefill rank ships them from here)
         self.on_finish: Optional[Callable[[Sequence], None]] = None
         self._t0 = time.perf_counter()
+
+    @property
+    def keep_records(self) -> Optional[int]:
+        """Step records kept at most (the newest); None: every one."""
+        return self._keep_records
+
+    @keep_records.setter
+    def keep_records(self, value: Optional[int]) -> None:
+        self._keep_records = None if value is None else check_int(
+            "keep_records", value, minimum=1, hint="None keeps every record")
+        if self._keep_records is not None and len(self.records) > self._keep_records:
+            del self.records[:len(self.records) - self._keep_records]
 
     def now(self) -> float:
         """Seconds since the engine was built (the clock of results and records)."""
@@ -148,7 +194,7 @@ class ServingEngine:
             return index
         result = Result(index, arrival=arrival, served_by=str(self.device))
         self.results[index] = result
-        self.scheduler.add(Sequence(index, request, result, generator=torch.Generator().manual_seed(request.seed)))
+        self.scheduler.add(self._sequence(index, request, result, 0, torch.Generator().manual_seed(request.seed)))
         return index
 
     def adopt(self, request: Request, index: int, arrival: float, token: int, token_time: float,
@@ -176,10 +222,17 @@ class ServingEngine:
         if index in self.results:
             raise ValueError(f"index={index} is already a request of this engine; give each request its own index")
         result = Result(index, [token], arrival=arrival, token_times=[token_time], served_by=str(self.device))
-        if not self.scheduler.adopt(Sequence(index, request, result, len(request.prompt), generator=generator)):
+        if not self.scheduler.adopt(self._sequence(index, request, result, len(request.prompt), generator)):
             return None
         self.results[index] = result
         return self.blocks.table(index)
+
+    def _sequence(self, index: int, request: Request, result: Result, computed: int,
+                  generator: torch.Generator) -> Sequence:
+        """The scheduler's sequence of a request; with a draft, one that tracks the draft's pool too (which holds
+        none of its tokens yet: an adopted prompt's keys came for the target only, the draft computes its own)."""
+        kind = Sequence if self.drafter is None else SpeculativeSequence
+        return kind(index, request, result, computed, generator=generator)
 
     def idle(self) -> bool:
         """Nothing waiting or running."""
@@ -200,27 +253,20 @@ class ServingEngine:
         return [self.results[first + i] for i in range(len(requests))]
 
     def flatten(self, plan: Scheduled) -> bool:
-        """Whether to lay this step out flat (one row) or padded (a row per sequence): whichever computes less.
-
-        Per layer and token row the projections and the MLP cost about ``12 h`` multiply-adds per feature,
-        and each attention score about 2: flat computes ``sum(fed)`` rows and ``sum(fed) · sum(len)``
-        scores (every query against every sequence's keys, most masked), padded ``b · max(fed)`` rows and
-        ``b · max(fed) · max(len)`` scores. Decodes alone are cheaper padded; a prompt beside them, flat.
-        """
+        """Whether to lay this step out flat (one row) or padded (a row per sequence): whichever computes less
+        (:func:`~.layout.flat_is_cheaper`). Decodes alone are cheaper padded; a prompt beside them, flat."""
         fed = [stop - start for start, stop in zip(plan.starts, plan.stops)]
-        lengths = plan.stops
-        h = self.model.config.n_embd
-        flat = sum(fed) * 12 * h + 2 * sum(fed) * sum(lengths)
-        padded = len(fed) * max(fed) * 12 * h + 2 * len(fed) * max(fed) * max(lengths)
-        return flat < padded
+        return flat_is_cheaper(fed, plan.stops, self.model.config.n_embd)
 
-    def _inputs(self, plan: Scheduled, flat: bool) -> StepLayout:
+    def _inputs(self, plan: Scheduled, flat: bool, guesses: Seq[list[int]]) -> StepLayout:
         """One step's batch (:mod:`.layout`): flat, one row holding every sequence's new tokens and keys; or
-        padded, a row per sequence. A query sees the keys of its own sequence up to its position."""
+        padded, a row per sequence. A query sees the keys of its own sequence up to its position. Each
+        sequence's ``guesses`` follow its new tokens."""
         seqs = plan.sequences
-        tokens = [seq.tokens[start:stop] for seq, start, stop in zip(seqs, plan.starts, plan.stops)]
-        return step_layout([self.blocks.tables[seq.id] for seq in seqs], tokens, plan.starts, plan.stops,
-                           self.block_size, flat, self.device)
+        tokens = [seq.tokens[start:stop] + g for seq, start, stop, g in zip(seqs, plan.starts, plan.stops, guesses)]
+        stops = [stop + len(g) for stop, g in zip(plan.stops, guesses)]
+        return step_layout([self.blocks.tables[seq.id] for seq in seqs], tokens, plan.starts, stops, self.block_size,
+                           flat, self.device)
 
     @torch.no_grad()
     def step(self) -> Optional[StepRecord]:
@@ -231,43 +277,66 @@ class ServingEngine:
             if self.scheduler.waiting:
                 raise RuntimeError("no sequence could be scheduled while requests wait: the pool is too small")
             return None
-        flat = self.flatten(plan)
-        layout = self._inputs(plan, flat)
+        drafter = self.drafter
+        guesses = [[] for _ in plan.sequences] if drafter is None else drafter.propose(plan)
+        flat = self.flatten(replace(plan, stops=[stop + len(g) for stop, g in zip(plan.stops, guesses)]))
+        layout = self._inputs(plan, flat, guesses)
         x = paged_forward(self.model, self.cache.at(layout.write, layout.valid, layout.read), layout)  # (R, S, h)
-        logits = self.model.lm_head(x[layout.rows, layout.cols]).float().cpu()          # (b, V)
+        rows, cols = layout.rows, layout.cols
+        if any(guesses):  # each sequence's last 1 + guesses positions: the logits that check its guesses
+            width = torch.tensor([1 + len(g) for g in guesses], device=rows.device)
+            back = torch.arange(int(width.sum()), device=rows.device) - (width.cumsum(0) - 1).repeat_interleave(width)
+            rows, cols = rows.repeat_interleave(width), cols.repeat_interleave(width) + back
+        logits = self.model.lm_head(x[rows, cols]).float().cpu()                        # (b + guesses, V)
         now = self.now()
         prefill = [s.id for s, a, b in zip(plan.sequences, plan.starts, plan.stops)
                    if s.id in plan.admitted or b - a > 1 or b < len(s.tokens)]
         decode = [s.id for s in plan.sequences if s.id not in prefill]
-        tables = {s.id: self.blocks.table(s.id) for s in plan.sequences}
         fed = {s.id: b - a for s, a, b in zip(plan.sequences, plan.starts, plan.stops)}
+        tables: dict[int, list[int]] = {}
+        proposed: dict[int, int] = {}
+        accepted: dict[int, int] = {}
         finished = []
         # greedy rows take the batch's argmax, found in one call (sample() row by row costs ~50 us a row on a
         # CPU, a tenth of a small model's decode step); a row with non-finite logits goes to sample() for its error
         argmax, finite = logits.argmax(-1).tolist(), torch.isfinite(logits).all(-1).tolist()
-        for row, (seq, stop) in enumerate(zip(plan.sequences, plan.stops)):
-            tokens = seq.tokens
-            seq.computed = stop
-            self.blocks.computed(seq.id, tokens, stop)
-            if stop < len(tokens):
-                continue  # a chunk of a prompt: nothing to sample yet
-            result = seq.result
-            try:
-                greedy = seq.request.temperature == 0.0 and finite[row]
-                token = argmax[row] if greedy else sample(logits[row], seq.request.temperature, seq.generator)
-            except ValueError as error:
-                result.error = f"request {seq.id} failed at token {len(result.tokens)}: {error}"
+        for seq, stop, g, last in zip(plan.sequences, plan.stops, guesses, accumulate(1 + len(g) for g in guesses)):
+            last -= 1  # the row of its last logits
+            result, chunk = seq.result, stop < len(seq.tokens)
+            if chunk:
+                seq.computed = stop  # a chunk of a prompt: nothing to sample yet
+            elif drafter is not None:
+                proposed[seq.id] = len(g)
+                if result.error is None:  # (a draft that failed ended the request)
+                    accepted[seq.id] = drafter.accept(seq, logits[last - len(g):last + 1], now)
             else:
-                result.tokens.append(token)
-                result.token_times.append(now)
-            if seq.finished():
+                seq.computed = stop
+                try:
+                    greedy = seq.request.temperature == 0.0 and finite[last]
+                    token = argmax[last] if greedy else sample(logits[last], seq.request.temperature, seq.generator)
+                except ValueError as error:
+                    result.error = f"request {seq.id} failed at token {len(result.tokens)}: {error}"
+                else:
+                    result.tokens.append(token)
+                    result.token_times.append(now)
+            tokens = seq.tokens
+            self.blocks.computed(seq.id, tokens, seq.computed if drafter is None else drafter.valid(seq))
+            if drafter is not None and not chunk:
+                self.blocks.truncate(seq.id, seq.computed)  # blocks for its accepted length: the lookahead goes back
+            tables[seq.id] = self.blocks.table(seq.id)
+            if not chunk and seq.finished():
                 if self.on_finish is not None:
                     self.on_finish(seq)
                 self.scheduler.finish(seq)
                 finished.append(seq.id)
-        record = StepRecord(len(self.records), prefill, decode, plan.admitted, plan.preempted, finished, tables,
-                            {s.id: s.computed for s in plan.sequences}, self.blocks.num_free(), start, now, flat, fed)
+        record = StepRecord(self.steps, prefill, decode, plan.admitted, plan.preempted, finished, tables,
+                            {s.id: s.computed for s in plan.sequences}, self.blocks.num_free(), start, now, flat, fed,
+                            proposed, accepted)
+        self.steps += 1
+        self.preemptions += len(plan.preempted)
         self.records.append(record)
+        if self.keep_records is not None and len(self.records) > self.keep_records:
+            del self.records[0]
         return record
 
     def abort(self, index: int, reason: str = "aborted") -> bool:
@@ -281,8 +350,3 @@ class ServingEngine:
             return False
         seq.result.error = f"request {index}: {reason}"
         return True
-
-    @property
-    def preemptions(self) -> int:
-        """Sequences preempted so far (each counted once per preemption)."""
-        return sum(len(r.preempted) for r in self.records)

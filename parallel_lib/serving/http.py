@@ -260,6 +260,8 @@ class CompletionServer:
         io_timeout: seconds a socket read or write may block (a stalled client).
         poll: seconds between checks of a waiting client's socket.
         log: print a line per request (http.server's log) to stderr.
+        keep_records: the engine keeps its last this many step records (a server runs for long, and each
+            step adds one); None: the engine's own setting (``ServingEngine(keep_records=...)``).
 
     Raises:
         TypeError: ``engine`` is not a ServingEngine, or ``host``/``model`` not a string.
@@ -269,13 +271,15 @@ class CompletionServer:
     def __init__(self, engine: ServingEngine, model: str = "tiny", host: str = "127.0.0.1", port: int = 0,
                  tokenizer: Any = None, max_tokens: Optional[int] = None, max_connections: int = 64,
                  max_pending: int = 256, request_timeout: float = 300.0, io_timeout: float = 30.0,
-                 poll: float = 0.02, log: bool = False) -> None:
+                 poll: float = 0.02, log: bool = False, keep_records: Optional[int] = 1024) -> None:
         for name, value in (("host", host), ("model", model)):
             if not isinstance(value, str) or not value:
                 raise TypeError(f"{name} must be a non-empty string, got {value!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got port={port!r}")
         self.frontend = Frontend(engine, max_pending=max_pending, poll=0.05)
+        if keep_records is not None:
+            engine.keep_records = keep_records
         self.engine, self.model, self.host, self.tokenizer = engine, model, host, tokenizer
         self.max_tokens = positive_int("max_tokens", engine.n_positions if max_tokens is None else max_tokens)
         self.max_connections = positive_int("max_connections", max_connections)

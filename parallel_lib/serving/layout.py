@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["StepLayout", "step_layout", "paged_forward"]
+__all__ = ["StepLayout", "step_layout", "flat_is_cheaper", "paged_forward"]
 
 
 @dataclass
@@ -108,6 +108,19 @@ def step_layout(tables: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]
     if device is not None and torch.device(device) != out.ids.device:
         out = StepLayout(*(t.to(device) for t in out.astuple()))
     return out
+
+
+def flat_is_cheaper(fed: Sequence[int], lengths: Sequence[int], hidden: int) -> bool:
+    """Whether a step feeding ``fed`` tokens to sequences of ``lengths`` (after the step) computes less flat.
+
+    Per layer and token row the projections and the MLP cost about ``12 h`` multiply-adds per feature,
+    and each attention score about 2: flat computes ``sum(fed)`` rows and ``sum(fed) · sum(len)``
+    scores (every query against every sequence's keys, most masked), padded ``b · max(fed)`` rows and
+    ``b · max(fed) · max(len)`` scores. Decodes alone are cheaper padded; a prompt beside them, flat.
+    """
+    flat = sum(fed) * 12 * hidden + 2 * sum(fed) * sum(lengths)
+    padded = len(fed) * max(fed) * 12 * hidden + 2 * len(fed) * max(fed) * max(lengths)
+    return flat < padded
 
 
 def paged_forward(model, store, layout: StepLayout) -> torch.Tensor:

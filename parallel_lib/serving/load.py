@@ -41,6 +41,7 @@ from parallel_lib.common.checks import check_int, positive_int, positive_number
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference.batch import Result
 from parallel_lib.runtime.environment import machine_label
+from parallel_lib.serving.goodput import goodput
 from parallel_lib.serving.trace import TraceMetrics, trace_metrics
 
 __all__ = ["completion_bodies", "send_completion", "LoadReport", "run_load", "markdown", "served", "main"]
@@ -147,6 +148,12 @@ class LoadReport:
     metrics: Optional[TraceMetrics]
     results: list[Result]
 
+    def goodput(self, ttft: float, tpot: float) -> float:
+        """Completed requests per second that met the latency target (:func:`~parallel_lib.serving.goodput.goodput`:
+        TTFT at most ``ttft``, TPOT at most ``tpot`` seconds); 0.0 when none completed."""
+        done = [r for r in self.results if r.ok and r.token_times]
+        return goodput(done, ttft, tpot).per_second if done else 0.0
+
 
 def run_load(host: str, port: int, bodies: Sequence[dict], clients: int = 32, timeout: float = 60.0) -> LoadReport:
     """Send ``bodies`` from ``clients`` concurrent clients (each one request at a time) and measure.
@@ -177,15 +184,25 @@ def run_load(host: str, port: int, bodies: Sequence[dict], clients: int = 32, ti
                       seconds, trace_metrics(done) if done else None, results)
 
 
-def markdown(report: LoadReport, machine: str) -> str:
-    """The report as a one-row markdown table, with the machine."""
+def markdown(report: LoadReport, machine: str, slo: Optional[tuple[float, float]] = None) -> str:
+    """The report as a one-row markdown table, with the machine.
+
+    Args:
+        report: what :func:`run_load` measured.
+        machine: where it ran, in words.
+        slo: a latency target ``(ttft, tpot)`` in seconds: adds the goodput, the completed requests per
+            second that met it (:meth:`LoadReport.goodput`).
+    """
     m = report.metrics
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
     row = [report.clients, report.requests, report.completed, report.refused, report.lost]
     row += [f"{m.throughput:.0f}", ms(m.ttft_p50), ms(m.ttft_p99), ms(m.tpot_p50), ms(m.tpot_p99)] if m else ["-"] * 5
-    return (markdown_table(["clients", "requests", "completed", "refused", "lost", "tokens/s", "TTFT p50 ms",
-                            "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"], [row])
-            + f"\n\nmachine: {machine}; wall time {report.seconds:.2f} s")
+    header = ["clients", "requests", "completed", "refused", "lost", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+              "TPOT p50 ms", "TPOT p99 ms"]
+    if slo is not None:
+        header.append("goodput req/s")
+        row.append(f"{report.goodput(*slo):.1f}")
+    return markdown_table(header, [row]) + f"\n\nmachine: {machine}; wall time {report.seconds:.2f} s"
 
 
 @contextmanager

@@ -19,17 +19,29 @@ Greedy (temperature 0) is the limit: accept while the guess is the target's argm
 argmax: **the tokens are the target's own, bit for bit** (the tests prove it against Hugging Face
 ``generate``). The fraction of guesses accepted, ``Σ min(p, q)`` on average, is what a good draft buys.
 
-**The KV caches** are two paged pools (:mod:`.paged_kv_cache`), one per model, with a block table per
-sequence. A rejected guess needs no undo: its keys and values stay in slots past the sequence's
-accepted length, where no query looks, and the next round writes over them before reading (each
-pass writes its tokens' keys first, then gathers). What each model holds is just a count of valid
-tokens, moved back after a rejection.
+**Inside the engine.** :class:`~parallel_lib.serving.engine.ServingEngine` speculates when it is
+given a draft (``ServingEngine(model, ..., draft=draft, k=4)``): in every step, each sequence that
+samples (a decode, or a prompt's last chunk) gets up to ``k`` guesses from the draft, and the step's
+one target pass feeds it its new tokens and the guesses, beside prefills and chunks of other
+prompts; its last ``guesses + 1`` logits check them. :class:`Drafter` is that draft side: the
+draft model, its passes and the acceptance of its guesses, as vLLM runs a draft model beside its
+scheduler. It pays where a pass costs about the same for one token per sequence as for ``k + 1``
+(small batches, weights read from memory); on a full batch the guesses' arithmetic and the draft's
+passes come on top (``python -m parallel_lib.bench serving`` measures both).
 
-**The batch.** :class:`SpeculativeDecoder` serves its requests in groups of ``max_batch``, each
-group to its end, every round a padded batch (:mod:`.layout`) with each row's own number of
-guesses; a request's blocks (prompt + new tokens) are taken when its group starts. It is the
-clean path for this chapter's proof and measurement, beside the continuous engine rather than
-inside its scheduler (vLLM schedules the ``k`` extra slots per sequence in its scheduler).
+**The KV caches** are two paged pools (:mod:`.paged_kv_cache`), one per model, read through the
+*same* block tables: a block holds both models' keys and values of the same tokens, so admission,
+preemption, prefix caching and freeing are the engine's, unchanged. A sequence that guesses takes
+blocks for its ``k`` lookahead slots from the free ones (fewer guesses when fewer are free, never a
+preemption) and gives back after the step the blocks past its accepted length. A rejected guess
+needs no undo: its keys and values stay in slots past the sequence's accepted length, where no
+query looks, and the next step writes over them before reading (each pass writes its tokens' keys
+first, then gathers). What each model holds is a count of valid tokens (``computed`` for the
+target, ``draft_done`` for the draft), moved back after a rejection; prefix caching names a block
+only once both pools hold it.
+
+:class:`~parallel_lib.serving.speculative_decoder.SpeculativeDecoder` serves a list of requests that
+way in one call (an engine with a draft, its pool sized for them).
 
 The draft can be any GPT-2 of the same vocabulary; :func:`draft_from_target` makes the cheapest
 one that agrees often: the target's own first layers with its head ("self-speculative" decoding,
@@ -39,23 +51,21 @@ Zhang et al. 2023, "Draft & Verify"; Elhoushi et al. 2024, "LayerSkip").
 from __future__ import annotations
 
 import copy
-import time
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence as Seq
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 import torch
 
-from parallel_lib.common.checks import check_int, positive_int
-from parallel_lib.inference.batch import Request, Result, check_requests
-from parallel_lib.inference.engine import admit
+from parallel_lib.common.checks import check_int
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.models.hf import as_gpt2
-from parallel_lib.serving.block_manager import BlockManager, blocks_for
-from parallel_lib.serving.layout import paged_forward, step_layout
+from parallel_lib.serving.block_manager import BlockManager
+from parallel_lib.serving.layout import flat_is_cheaper, paged_forward, step_layout
 from parallel_lib.serving.paged_kv_cache import PagedKVCache
-from parallel_lib.serving.scheduler import Sequence
+from parallel_lib.serving.scheduler import Scheduled, Sequence
 
-__all__ = ["draft_from_target", "probabilities", "draw", "verify_token", "SpeculativeStats", "SpeculativeDecoder"]
+__all__ = ["draft_from_target", "probabilities", "draw", "verify_token", "pick", "SpeculativeStats",
+           "SpeculativeSequence", "Drafter"]
 
 
 def draft_from_target(model: Any, layers: int) -> GPT2:
@@ -142,163 +152,183 @@ class SpeculativeStats:
         """Tokens a sequence gains per target pass on average (1 without speculation, at most ``k + 1``)."""
         return self.tokens / self.rounds if self.rounds else 0.0
 
+    def add(self, other: "SpeculativeStats") -> None:
+        """Count ``other``'s rounds, guesses, passes and tokens in these."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 @dataclass(eq=False)
-class _Row(Sequence):
-    """A request in a group: the engine's :class:`~parallel_lib.serving.scheduler.Sequence` (``computed``:
-    tokens valid in the target's pool) with what the draft holds and this round's guesses."""
+class SpeculativeSequence(Sequence):
+    """A request in an engine that speculates: the engine's :class:`~parallel_lib.serving.scheduler.Sequence`
+    (``computed``: tokens valid in the target's pool) with what the draft's pool holds and this step's guesses."""
 
     draft_done: int = 0                                            # tokens valid in the draft's pool
     guesses: list[int] = field(default_factory=list)
     q: list[Optional[torch.Tensor]] = field(default_factory=list)  # the draft's probabilities of each guess
 
 
-class SpeculativeDecoder:
-    """Speculative decoding of a target GPT-2 with a draft GPT-2 over two paged pools; see the module docstring.
+def pick(seq: Sequence, logits: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
+    """A token from ``logits`` (V,) for ``seq``: the argmax (greedy) or a draw from its own stream; and the
+    probabilities drawn from (None when greedy).
+
+    Raises:
+        ValueError: the logits are not all finite.
+    """
+    t = seq.request.temperature
+    if t == 0.0:
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("the logits are not finite (NaN or inf)")
+        return int(logits.argmax()), None
+    p = probabilities(logits, t)
+    return draw(p, seq.generator), p
+
+
+def _greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's argmax and whether the row is finite, for a batch of logits (n, V) in two calls (row by row,
+    :func:`pick` costs more than a small model's pass on a CPU)."""
+    return logits.argmax(-1).tolist(), torch.isfinite(logits).all(-1).tolist()
+
+
+class Drafter:
+    """The draft side of speculative decoding in the serving engine; see the module docstring.
 
     Args:
-        target, draft: the one GPT-2 or Hugging Face ``GPT2LMHeadModel`` each (converted once), with
-            the same vocabulary and device.
-        k: guesses per round (0: the target alone, one token per pass: the baseline).
-        block_size: token slots per block of both pools.
-        max_batch: requests decoded together (a group runs to its end before the next starts).
+        draft: the draft, the one GPT-2 or a Hugging Face ``GPT2LMHeadModel`` (converted once).
+        blocks: the engine's block manager: the draft's pool has its blocks, read through its tables.
+        vocab_size: the target's vocabulary size.
+        device: the target's device.
+        k: guesses per sequence and step at most (0: none, the target alone through the same code path).
 
     Attributes:
         stats: the :class:`SpeculativeStats` of everything served so far.
 
     Raises:
-        ValueError: ``k`` below 0, a count below 1, or vocabularies that differ.
+        ValueError: ``k`` below 0, a vocabulary that differs from the target's, or a draft on another device.
     """
 
-    def __init__(self, target: Any, draft: Any, k: int = 4, block_size: int = 16, max_batch: int = 8) -> None:
-        self.target, self.draft = as_gpt2(target).eval(), as_gpt2(draft).eval()
-        vt, vd = self.target.config.vocab_size, self.draft.config.vocab_size
-        if vt != vd:
-            raise ValueError(f"the draft's vocabulary ({vd} tokens) must be the target's ({vt}): its guesses are "
-                             f"token ids of the target")
+    def __init__(self, draft: Any, blocks: BlockManager, vocab_size: int, device: torch.device, k: int = 4) -> None:
+        self.model = as_gpt2(draft).eval()
+        vd = self.model.config.vocab_size
+        if vd != vocab_size:
+            raise ValueError(f"the draft's vocabulary ({vd} tokens) must be the target's ({vocab_size}): its guesses "
+                             f"are token ids of the target")
         self.k = check_int("k", k, minimum=0)
-        self.block_size, self.max_batch = positive_int("block_size", block_size), positive_int("max_batch", max_batch)
-        self.vocab_size, self.n_positions = vt, self.target.config.n_positions
-        self.device = next(self.target.parameters()).device
+        param = next(self.model.parameters())
+        if param.device != torch.device(device):
+            raise ValueError(f"the draft is on {param.device}, the target on {device}; move the draft to the "
+                             f"target's device")
+        c = self.model.config
+        self.blocks, self.device = blocks, param.device
+        self.cache = PagedKVCache(range(c.n_layer), blocks.num_blocks, blocks.block_size, c.n_head,
+                                  c.n_embd // c.n_head, param.dtype, param.device)
         self.stats = SpeculativeStats()
 
-    def run(self, requests: Seq[Request]) -> list[Result]:
-        """Serve ``requests`` (indices ``0..n-1``), ``max_batch`` at a time; one Result each, in order.
+    def wanted(self, seq: Sequence) -> int:
+        """Guesses ``seq`` makes this step: ``k``, fewer near its limit (the target's own token ends the round)."""
+        return max(0, min(self.k, seq.request.max_new_tokens - len(seq.result.tokens) - 1))
 
-        Raises:
-            TypeError, ValueError: as chapter 09's engine (:func:`~parallel_lib.inference.batch.check_requests`).
-        """
-        requests = check_requests(requests, self.n_positions)
-        indices = list(range(len(requests)))
-        admitted, refused = admit(requests, indices, self.vocab_size)
-        results = {r.index: r for r in refused}
-        t0, arrival = time.perf_counter(), 0.0
-        for start in range(0, len(admitted), self.max_batch):
-            rows = [_Row(i, requests[i], Result(i, arrival=arrival, served_by=str(self.device)),
-                         generator=torch.Generator().manual_seed(requests[i].seed))
-                    for i in admitted[start:start + self.max_batch]]
-            self._serve(rows, t0)
-            results.update({row.id: row.result for row in rows})
-        return [results[i] for i in indices]
+    def valid(self, seq: SpeculativeSequence) -> int:
+        """Leading tokens of ``seq`` whose keys and values both pools hold (what prefix caching may name)."""
+        return seq.computed if self.k == 0 else min(seq.computed, seq.draft_done)
 
-    # --- one group ---------------------------------------------------------------------------------
-    def _pool(self, model: GPT2, rows: list[_Row]) -> tuple[BlockManager, PagedKVCache]:
-        c = model.config
-        blocks = BlockManager(sum(blocks_for(r.request.slots, self.block_size) for r in rows), self.block_size)
-        for r in rows:
-            blocks.allocate(r.id, [0] * r.request.slots)
-        param = next(model.parameters())
-        return blocks, PagedKVCache(range(c.n_layer), blocks.num_blocks, self.block_size, c.n_head,
-                                    c.n_embd // c.n_head, param.dtype, param.device)
+    def _reserve(self, seq: Sequence, want: int) -> int:
+        """Grow ``seq``'s table for ``want`` slots past its tokens from the free blocks; the guesses that fit."""
+        length = len(seq.tokens)
+        while want > 0 and not self.blocks.can_append(seq.id, length + want):
+            want -= 1
+        self.blocks.append(seq.id, length + want)
+        return want
 
     @torch.no_grad()
-    def _pass(self, model: GPT2, pool: tuple[BlockManager, PagedKVCache], rows: list[_Row], starts: list[int],
-              tokens: list[list[int]]) -> list[torch.Tensor]:
-        """One padded pass of ``model`` feeding each row ``tokens`` from ``starts``; each row's logits (fed, V)."""
-        blocks, cache = pool
-        stops = [s + len(t) for s, t in zip(starts, tokens)]
-        layout = step_layout([blocks.tables[r.id] for r in rows], tokens, starts, stops, self.block_size,
-                             flat=False, device=self.device)
-        x = paged_forward(model, cache.at(layout.write, layout.valid, layout.read), layout)
-        logits = model.lm_head(x).float().cpu()                                              # (b, S, V)
-        return [logits[i, :len(t)] for i, t in enumerate(tokens)]
+    def propose(self, plan: Scheduled) -> list[list[int]]:
+        """The draft's passes of one engine step; returns each scheduled sequence's guesses (in ``seq.guesses``).
 
-    def _pick(self, row: _Row, logits: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
-        """A token from ``logits`` (V,) for ``row``: the argmax (greedy) or a draw; and the probabilities drawn from."""
-        t = row.request.temperature
-        if t == 0.0:
-            if not bool(torch.isfinite(logits).all()):
-                raise ValueError("the logits are not finite (NaN or inf)")
-            return int(logits.argmax()), None
-        p = probabilities(logits, t)
-        return draw(p, row.generator), p
-
-    def _serve(self, rows: list[_Row], t0: float) -> None:
-        target, draft = self._pool(self.target, rows), self._pool(self.draft, rows)
-        active = list(rows)
-        while active:
-            # how many guesses each row makes: k, fewer near its limit (the target's token ends the round)
-            want = {r.id: min(self.k, r.request.max_new_tokens - len(r.result.tokens) - 1) for r in active}
-            for r in active:
-                r.guesses, r.q = [], []
-            for j in range(self.k):
-                guessing = [r for r in active if want[r.id] > j]
-                if not guessing:
-                    break
-                fed = [(r.tokens + r.guesses)[r.draft_done:] for r in guessing]
-                out = self._pass(self.draft, draft, guessing, [r.draft_done for r in guessing], fed)
-                self.stats.draft_passes += 1
-                for r, f, logits in zip(guessing, fed, out):
-                    r.draft_done += len(f)
-                    try:
-                        token, q = self._pick(r, logits[-1])
-                    except ValueError as error:  # its result says so; the row leaves the group
-                        r.result.error = f"request {r.id} failed in the draft at token {len(r.result.tokens)}: " \
-                                         f"{error}"
-                        want[r.id] = j
-                        continue
-                    r.guesses.append(token)
-                    r.q.append(q)
-            active = [r for r in active if r.result.error is None]
-            if not active:
+        A sequence that samples in this step (``stop`` is its length) guesses :meth:`wanted` tokens, as
+        many as free blocks hold. The first pass feeds every scheduled sequence what the draft's pool
+        lacks up to ``stop`` (a chunk of a prompt, the last token or two), so both pools hold the same
+        tokens; each further pass feeds the guessing sequences their newest guess.
+        """
+        seqs, stops = plan.sequences, plan.stops
+        for seq in seqs:
+            seq.guesses, seq.q = [], []
+            if seq.id in plan.admitted:  # admitted or readmitted: the draft holds what the target holds (cached blocks)
+                seq.draft_done = seq.computed
+        self.stats.target_passes += 1
+        if self.k == 0:
+            return [[] for _ in seqs]
+        want = [self._reserve(seq, self.wanted(seq)) if stop == len(seq.tokens) else 0
+                for seq, stop in zip(seqs, stops)]
+        hidden = self.model.config.n_embd
+        for j in range(max(1, max(want))):
+            feeds = {i: (seqs[i].tokens[:stops[i]] + seqs[i].guesses)[seqs[i].draft_done:] for i in range(len(seqs))
+                     if j == 0 or want[i] > j}
+            rows = [i for i, f in feeds.items() if f]
+            if not rows:
                 break
-            fed = [(r.tokens + r.guesses)[r.computed:] for r in active]
-            out = self._pass(self.target, target, active, [r.computed for r in active], fed)
-            self.stats.target_passes += 1
-            now = time.perf_counter() - t0
-            for r, logits in zip(active, out):
-                self._accept(r, logits[-(len(r.guesses) + 1):], now)
-            active = [r for r in active if not r.finished()]
+            starts, fed = [seqs[i].draft_done for i in rows], [feeds[i] for i in rows]
+            ends = [start + len(f) for start, f in zip(starts, fed)]
+            layout = step_layout([self.blocks.tables[seqs[i].id] for i in rows], fed, starts, ends,
+                                 self.blocks.block_size, flat_is_cheaper([len(f) for f in fed], ends, hidden),
+                                 self.device)
+            x = paged_forward(self.model, self.cache.at(layout.write, layout.valid, layout.read), layout)
+            logits = self.model.lm_head(x[layout.rows, layout.cols]).float().cpu()          # (rows, V)
+            best, finite = _greedy(logits)
+            self.stats.draft_passes += 1
+            for n, (i, end) in enumerate(zip(rows, ends)):
+                seq = seqs[i]
+                seq.draft_done = end
+                if want[i] <= j:
+                    continue  # fed to keep the draft's pool up with the target's: no guess wanted
+                try:
+                    greedy = seq.request.temperature == 0.0 and finite[n]
+                    token, q = (best[n], None) if greedy else pick(seq, logits[n])
+                except ValueError as error:  # its result says so; the engine ends the request
+                    seq.result.error = f"request {seq.id} failed in the draft at token {len(seq.result.tokens)}: " \
+                                       f"{error}"
+                    want[i] = j
+                    continue
+                seq.guesses.append(token)
+                seq.q.append(q)
+        return [list(seq.guesses) for seq in seqs]
 
-    def _accept(self, row: _Row, logits: torch.Tensor, now: float) -> None:
-        """Check ``row``'s guesses against the target's ``logits`` (guesses + 1, V) and extend its tokens."""
-        old, new, accepted = len(row.tokens), [], 0
+    def accept(self, seq: SpeculativeSequence, logits: torch.Tensor, now: float) -> int:
+        """Check ``seq``'s guesses against the target's ``logits`` (guesses + 1, V), extend its tokens (at ``now``)
+        and move ``computed`` and ``draft_done`` to what the pools now hold; returns the guesses accepted.
+
+        A failure (non-finite logits) goes into ``seq.result.error``, after the tokens taken before it.
+        """
+        old, new, accepted = len(seq.tokens), [], 0
+        best, finite = _greedy(logits) if seq.request.temperature == 0.0 else ([], [])
         try:
-            for j, guess in enumerate(row.guesses):
-                if row.request.temperature == 0.0:
-                    token, _ = self._pick(row, logits[j])
+            for j, guess in enumerate(seq.guesses):
+                if seq.request.temperature == 0.0:
+                    token = best[j] if finite[j] else pick(seq, logits[j])[0]  # (pick raises the error)
                     ok = token == guess
                 else:
-                    token, ok = verify_token(probabilities(logits[j], row.request.temperature), row.q[j], guess,
-                                             row.generator)
+                    token, ok = verify_token(probabilities(logits[j], seq.request.temperature), seq.q[j], guess,
+                                             seq.generator)
                 new.append(token)
                 if not ok:
                     break
                 accepted += 1
-            else:
-                new.append(self._pick(row, logits[len(row.guesses)])[0])  # every guess accepted: a bonus token
+            else:  # every guess accepted: a bonus token
+                g = len(seq.guesses)
+                new.append(best[g] if seq.request.temperature == 0.0 and finite[g] else pick(seq, logits[g])[0])
         except ValueError as error:
-            row.result.error = f"request {row.id} failed at token {len(row.result.tokens)}: {error}"
-        stats, eos = self.stats, row.request.eos
-        stats.rounds, stats.proposed, stats.accepted = stats.rounds + 1, stats.proposed + len(row.guesses), \
+            seq.result.error = f"request {seq.id} failed at token {len(seq.result.tokens)}: {error}"
+        stats, eos = self.stats, seq.request.eos
+        stats.rounds, stats.proposed, stats.accepted = stats.rounds + 1, stats.proposed + len(seq.guesses), \
             stats.accepted + accepted
         for token in new:
-            row.result.tokens.append(token)
-            row.result.token_times.append(now)
+            seq.result.tokens.append(token)
+            seq.result.token_times.append(now)
             stats.tokens += 1
             if eos is not None and token == eos:
                 break
         # the target holds keys and values for the old tokens and the accepted guesses; the draft for what
-        # it was fed, as far as it agrees with them; the last new token is in neither yet
-        row.computed = old + accepted
-        row.draft_done = min(row.draft_done, old + accepted)
+        # it was fed, as far as it agrees with them; the last new token is in neither yet (an eos cut short
+        # keeps the count within the tokens)
+        seq.computed = min(old + accepted, len(seq.tokens))
+        seq.draft_done = min(seq.draft_done, seq.computed)
+        return accepted
