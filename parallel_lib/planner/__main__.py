@@ -1,4 +1,4 @@
-"""``python -m parallel_lib.planner calibrate | show | published``: this machine's calibration and the published runs.
+"""``python -m parallel_lib.planner calibrate | show | published | dry-run``: calibration, published runs, dry run.
 
 - ``calibrate [--refresh] [--world-sizes 2 4]``: measure (a few seconds per world size, more on a busy
   machine) and cache under ``~/.cache/parallel_lib`` (``$PARALLEL_LIB_CACHE``); print the numbers.
@@ -7,6 +7,9 @@
 Bad world sizes are a usage error before anything runs; a damaged cache or an unwritable cache folder
 ends with one line naming the file or folder and what to do (exit status 1), before any measurement.
 - ``published``: the published training runs beside the planner's layouts (takes a minute or two).
+- ``dry-run [--world-sizes 8 64 256 1024] [--tp 1 8]``: GPT-2 XL and Llama 3 8B and 70B split by PyTorch's
+  DTensor tensor parallelism and FSDP2 over a fake process group, rank 0's parameters beside the
+  planner's (:mod:`parallel_lib.planner.dry_run`; half a minute).
 """
 
 from __future__ import annotations
@@ -42,7 +45,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     cal.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     sub.add_parser("show", help="print the cached calibration")
     sub.add_parser("published", help="published training runs beside the planner")
+    dry = sub.add_parser("dry-run", help="PyTorch's FSDP2 and DTensor shards at 8 to 1,024 ranks beside the planner")
+    dry.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
+    dry.add_argument("--tp", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args(argv)
+    if args.command == "dry-run":
+        from parallel_lib.planner.dry_run import DRY_RUN_HEADER, DRY_RUN_MODELS, dry_run, dry_run_rows
+
+        try:
+            runs = dry_run(DRY_RUN_MODELS, args.world_sizes, args.tp)
+        except ValueError as error:
+            parser.error(f"dry-run: {error}")
+        print(tables.markdown_table(DRY_RUN_HEADER, dry_run_rows(runs), "lrlrrrrr"))
+        return 0
     if args.command == "published":
         from parallel_lib.planner.published import compare_all, table
 

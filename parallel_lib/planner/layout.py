@@ -5,8 +5,11 @@ Every number comes from code a chapter verified, not from a new formula:
 - parameters per rank: :func:`parallel_lib.tensor_parallel.cost.shard_parameters` (chapter 07) for a
   block and the embedding, the stages split by ``split_layers``'s rule (chapter 04: the first stages
   take one block more), the tied head's copy on the last stage (chapter 05's DP×PP run holds one);
-- model state per rank: :func:`parallel_lib.cost.zero.zero_memory` (chapter 06) of those parameters
-  (what a rank keeps between steps, the tensor census); under ZeRO-3 also the working set
+- model state per rank (:func:`state_memory`): :func:`parallel_lib.cost.zero.zero_memory` (chapter 06)
+  of those parameters (what a rank keeps between steps, the tensor census); ZeRO-3 shards as FSDP2's
+  ``fully_shard`` does, each tensor's rows in equal chunks, the last ones padded
+  (:func:`~parallel_lib.cost.zero.fsdp_shard_numel`: GPT-2 XL at 1,024 ranks holds 1.22 × Ψ/N, which
+  the dry run :mod:`parallel_lib.planner.dry_run` measures with FSDP2 and DTensor); under ZeRO-3 also the working set
   :func:`~parallel_lib.cost.zero.zero3_working_set`, what the rank gathers while it computes (the
   embeddings and head, a block, the prefetched next block, and their whole gradients);
 - activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
@@ -54,7 +57,7 @@ from typing import Optional, Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.context_parallel.cost import GRAD_ITEMSIZE, cp_wire_bytes, ring_step_flops
-from parallel_lib.cost.zero import zero3_working_set, zero_collectives, zero_memory
+from parallel_lib.cost.zero import fsdp_shard_numel, zero3_working_set, zero_collectives, zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.pipeline_parallel.schedule import make_schedule
@@ -63,8 +66,8 @@ from parallel_lib.planner.calibrate import AlphaBeta, Calibration
 from parallel_lib.planner.hardware import group_span
 from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "dp_collectives", "cp_seconds",
-           "exposed_seconds", "price", "SCHEDULES"]
+__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "stage_parameter_shapes",
+           "state_memory", "dp_collectives", "cp_seconds", "exposed_seconds", "price", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
@@ -175,6 +178,49 @@ def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
     out[0] += embedding
     out[-1] += last + (shape.vocab_size * shape.n_embd // tp if pp > 1 and shape.tied_head else 0)
     return out
+
+
+def stage_parameter_shapes(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes each pipeline stage's tp rank holds: :func:`rank_parameters`, tensor by tensor.
+
+    Raises:
+        ValueError: ``tp`` does not divide the heads, key/value heads or vocabulary; ``pp`` above the blocks.
+    """
+    outer, block = shape.outer_shapes(tp), shape.block_shapes(tp)
+    stages = [block * b for b in stage_blocks(shape.n_layer, pp)]
+    stages[0] = outer["embedding"] + stages[0]
+    tied_copy = outer["embedding"][:1] if pp > 1 and shape.tied_head else []
+    stages[-1] = stages[-1] + outer["final_norm"] + outer["head"] + tied_copy
+    return stages
+
+
+@lru_cache(maxsize=1024)
+def _fsdp_stage_numel(shape: GPTShape, tp: int, pp: int, replicas: int) -> tuple[int, ...]:
+    return tuple(fsdp_shard_numel(shapes, replicas) for shapes in stage_parameter_shapes(shape, tp, pp))
+
+
+def state_memory(shape: GPTShape, layout: Layout) -> list[dict[str, float]]:
+    """Model state bytes each pipeline stage's rank keeps between steps: parameters, gradients, optimizer states.
+
+    :func:`~parallel_lib.cost.zero.zero_memory` of :func:`rank_parameters` over the ``dp · cp``
+    replicas, in the layout's precision (fp32: 4 + 4 + 8 bytes per parameter; 16-bit: 2 + 2 + 12).
+    ZeRO-3 shards as FSDP2 does: each tensor's rows in ``replicas`` equal chunks, padded, so a rank
+    holds :func:`~parallel_lib.cost.zero.fsdp_shard_numel` of its stage's shapes, not ``Ψ / N`` (its
+    gradients and optimizer states follow its shards). ZeRO-1/2's flat groups pad less than an
+    element per group and rank: ``Ψ / N``.
+
+    Returns:
+        per stage, ``{"params", "grads", "optimizer", "total"}`` in bytes.
+
+    Raises:
+        ValueError: ``tp`` does not divide the heads, key/value heads or vocabulary; ``pp`` above the blocks.
+    """
+    precision = "fp32" if DTYPE_BYTES[layout.dtype] == 4 else "bf16"
+    n = layout.replicas
+    zero = layout.zero if n > 1 else 0
+    if zero == 3:  # the padded shard stands for n times itself: zero_memory divides by n again
+        return [zero_memory(k * n, n, 3, precision) for k in _fsdp_stage_numel(shape, layout.tp, layout.pp, n)]
+    return [zero_memory(p, n, zero, precision) for p in rank_parameters(shape, layout.tp, layout.pp)]
 
 
 def dp_collectives(layout: Layout, params: int, blocks: int) -> dict[str, tuple[int, float]]:
@@ -336,8 +382,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     mb = rows // L.micro_batches
     params = rank_parameters(shape, L.tp, L.pp)
     blocks = stage_blocks(shape.n_layer, L.pp)
-    precision = "fp32" if width == 4 else "bf16"
-    states = [zero_memory(p, L.replicas, L.zero if L.replicas > 1 else 0, precision)["total"] for p in params]
+    states = [state["total"] for state in state_memory(shape, L)]
     working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
     if L.zero == 3 and L.replicas > 1:
         block = _block_and_rest(shape, L.tp)[0]

@@ -86,21 +86,65 @@ class GPTShape:
         row_biases = 2 * h if self.bias else 0
         return (self.matmul_parameters() + column_biases) // tp + row_biases + 2 * norm * h
 
-    def parameter_shapes(self) -> list[tuple[int, ...]]:
-        """Every parameter tensor's shape as Hugging Face's classes hold it (one process, the tied head once).
+    def check_tp(self, tp: int) -> int:
+        """``tp`` if it divides the heads, the key/value heads and the vocabulary (what tensor parallelism splits).
+
+        Raises:
+            ValueError: ``tp`` is not an int >= 1, or it leaves a head or a vocabulary row in two pieces.
+        """
+        positive_int("tp", tp)
+        kv = self.kv_heads or self.n_head
+        if self.n_head % tp or kv % tp or self.vocab_size % tp:
+            raise ValueError(f"tp={tp} must divide n_head={self.n_head}, kv_heads={kv} and "
+                             f"vocab_size={self.vocab_size}")
+        return tp
+
+    def block_shapes(self, tp: int = 1) -> list[tuple[int, ...]]:
+        """One block's parameter shapes on a tensor-parallel rank, as Hugging Face's classes store them.
+
+        Column-parallel layers (attention's queries, keys and values by heads, grouped-query
+        attention's keys and values by key/value heads, the MLP's up and gate) keep ``1/tp`` of their
+        outputs and biases; row-parallel ones (attention's output projection, the MLP's down) ``1/tp``
+        of their inputs, their biases whole; norms whole. GPT-2's ``Conv1D`` stores (in, out), so its
+        column split is the second dimension; Llama's ``nn.Linear`` stores (out, in).
+
+        Raises:
+            ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
+        """
+        t, h, f, kv = self.check_tp(tp), self.n_embd, self.ffn, self.kv_dim
+        if self.bias and not self.rms_norm:  # GPT-2: ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj
+            return [(h,), (h,), (h, 3 * h // t), (3 * h // t,), (h // t, h), (h,), (h,), (h,), (h, f // t), (f // t,),
+                    (f // t, h), (h,)]
+        mlp = [(f // t, h), (f // t, h)] if self.gated_mlp else [(f // t, h)]
+        return [(h // t, h), (kv // t, h), (kv // t, h), (h, h // t)] + mlp + [(h, f // t), (h,), (h,)]
+
+    def outer_shapes(self, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+        """The shapes outside the blocks on a tensor-parallel rank (:meth:`outer_parameters`' parts).
+
+        The token embedding and an untied head split by vocabulary rows (vocabulary-parallel), the
+        position table and the final norm whole.
+
+        Raises:
+            ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
+        """
+        t, h, V = self.check_tp(tp), self.n_embd, self.vocab_size
+        norm = [(h,), (h,)] if self.bias and not self.rms_norm else [(h,)]
+        return {"embedding": [(V // t, h)] + ([(self.n_positions, h)] if self.learned_positions else []),
+                "head": [] if self.tied_head else [(V // t, h)], "final_norm": norm}
+
+    def parameter_shapes(self, tp: int = 1) -> list[tuple[int, ...]]:
+        """Every parameter tensor's shape on a tensor-parallel rank, in Hugging Face's order (the tied head once).
 
         GPT-2 (biases, LayerNorm) in ``GPT2LMHeadModel``'s order with its ``Conv1D`` weights stored
         (in, out); a Llama shape in ``LlamaForCausalLM``'s, ``nn.Linear`` weights stored (out, in).
-        FSDP2 shards each tensor along its first dimension: :func:`parallel_lib.cost.zero.fsdp_shard_numel`.
+        ``tp`` splits them as :meth:`block_shapes` and :meth:`outer_shapes` say. FSDP2 shards each
+        tensor along its first dimension: :func:`parallel_lib.cost.zero.fsdp_shard_numel`.
+
+        Raises:
+            ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
         """
-        h, f, kv, V = self.n_embd, self.ffn, self.kv_dim, self.vocab_size
-        if self.bias and not self.rms_norm:  # GPT-2
-            block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,)]
-            out = [(V, h)] + ([(self.n_positions, h)] if self.learned_positions else [])
-            return out + block * self.n_layer + [(h,), (h,)] + ([] if self.tied_head else [(V, h)])
-        block = [(h, h), (kv, h), (kv, h), (h, h)] + ([(f, h), (f, h)] if self.gated_mlp else [(f, h)]) + \
-            [(h, f), (h,), (h,)]
-        return [(V, h)] + block * self.n_layer + [(h,)] + ([] if self.tied_head else [(V, h)])
+        outer = self.outer_shapes(tp)
+        return outer["embedding"] + self.block_shapes(tp) * self.n_layer + outer["final_norm"] + outer["head"]
 
     def outer_parameters(self, tp: int = 1) -> dict[str, int]:
         """What is outside the blocks on a tensor-parallel rank: embedding (+ positions), head, final norm."""
@@ -177,10 +221,7 @@ def shard_parameters(shape: GPTShape, tp: int) -> int:
     Raises:
         ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
     """
-    kv = shape.kv_heads or shape.n_head
-    if shape.n_head % tp or kv % tp or shape.vocab_size % tp:
-        raise ValueError(f"tp={tp} must divide n_head={shape.n_head}, kv_heads={kv} and "
-                         f"vocab_size={shape.vocab_size}")
+    shape.check_tp(tp)
     return shape.n_layer * shape.block_parameters(tp) + sum(shape.outer_parameters(tp).values())
 
 
