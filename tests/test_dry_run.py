@@ -1,4 +1,4 @@
-"""The memory dry run: PyTorch's DTensor TP and FSDP2 over a fake process group at 8 to 1,024 ranks, against the planner.
+"""The memory dry run: PyTorch's DTensor TP and FSDP2 over a fake process group at 8 to 1,024 ranks vs the planner.
 
 GPT-2 XL and Llama 3 8B are built by Hugging Face's classes on the meta device, split by
 ``parallelize_module`` over the mesh's tp axis (Llama; GPT-2 XL's 25 heads take no tp of 8) and

@@ -138,7 +138,7 @@ class DryRun:
     model: str
     world_size: int
     tp: int
-    numel: int = 0            # rank 0's parameter elements after DTensor's TP and FSDP2 (padded, the most any rank holds)
+    numel: int = 0            # rank 0's parameter elements after DTensor's TP and FSDP2 (padded: the most)
     psi: int = 0              # the model's parameters
     planner_bytes: float = 0  # the planner's parameter bytes per GPU for Layout(dp, tp, zero=3) in fp32
     skipped: str = ""         # why this tp does not apply to this model
@@ -153,8 +153,8 @@ class DryRun:
 
     @property
     def ratio(self) -> float:
-        """Measured bytes over the planner's: within 1 % of 1."""
-        return self.measured_bytes / self.planner_bytes
+        """Measured bytes over the planner's: within 1 % of 1 (NaN for a skipped layout)."""
+        return self.measured_bytes / self.planner_bytes if self.planner_bytes else math.nan
 
 
 def dry_run(shapes: dict[str, GPTShape], world_sizes: Sequence[int] = (8, 64, 256, 1024),
@@ -191,7 +191,7 @@ DRY_RUN_HEADER = ["model", "GPUs", "dp × tp", "rank 0's elements (FSDP2 + DTens
 
 
 def dry_run_rows(runs: Sequence[DryRun]) -> list[list[object]]:
-    """:func:`dry_run`'s runs as rows under :data:`DRY_RUN_HEADER` for :func:`parallel_lib.common.tables.markdown_table`.
+    """:func:`dry_run`'s runs as rows under :data:`DRY_RUN_HEADER` (for ``common.tables.markdown_table``).
 
     Rank 0's parameter elements, their ratio to ``Ψ / N`` (FSDP2's padding, and the norms every tp rank
     keeps whole), its fp32 bytes in MiB beside the planner's, and their ratio; a skipped layout, why.
