@@ -81,3 +81,11 @@ def test_bad_arguments_are_named():
         tp_plan(GPT2_XL)
     with pytest.raises(ValueError, match="tp=8 must divide world_size=12"):
         dry_run(SHAPES, (12,), (8,))
+
+
+def test_the_command_names_a_bad_tp(capsys):
+    from parallel_lib.planner.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["dry-run", "--world-sizes", "12", "--tp", "8"])
+    assert "dry-run: tp=8 must divide world_size=12" in capsys.readouterr().err
