@@ -157,10 +157,11 @@ def _why(theirs: Priced, ours: Priced) -> str:
     if b.tp != a.tp:
         reasons.append(f"TP {b.tp} instead of {a.tp}")
     if b.zero > a.zero:
+        freed = ("a smaller TP degree" if b.tp < a.tp else "fewer pipeline stages" if b.pp < a.pp else
+                 "its layout")
         reasons.append(f"ZeRO-{b.zero} where they sharded {'nothing' if a.zero == 0 else f'to stage {a.zero}'}: "
-                       "sharding the optimizer states over the data-parallel ranks frees the memory that lets a "
-                       "smaller TP degree fit (Megatron-LM's 2021 runs replicated them; its distributed optimizer "
-                       "came later)")
+                       f"sharding the model states over the data-parallel ranks frees the memory that lets {freed} "
+                       "fit (Megatron-LM's 2021 runs replicated them; its distributed optimizer came later)")
     if b.zero < a.zero and a.zero >= 2 and a.micro_batches > 1:
         reasons.append(f"ZeRO-{b.zero} where they used ZeRO-{a.zero}: with {a.micro_batches} micro-batches per step "
                        f"ZeRO-2 reduce-scatters the gradients {a.micro_batches} times"
