@@ -47,19 +47,20 @@ intra-op threads (1 by default: on a shared CPU more threads mostly wait for eac
 
 from __future__ import annotations
 
-import argparse
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from parallel_lib.bench import parse_config
 from parallel_lib.common.checks import positive_int, positive_number
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.inference import Engine, Request, Result, ServeConfig
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.serving import (ServingEngine, SpeculativeStats, TraceMetrics, draft_from_target, poisson_trace,
                                   replay_continuous, replay_static, trace_metrics)
+from parallel_lib.serving.disaggregated import run_disaggregated
 from parallel_lib.serving.goodput import goodput
 from parallel_lib.serving.http import CompletionServer
 from parallel_lib.serving.load import LoadReport, markdown as load_markdown, run_load
@@ -93,10 +94,12 @@ class Config:
     http_requests: int = 160
     slo_ttft: float = 0.5
     slo_tpot: float = 0.025
+    disaggregated: bool = True  # one prefill and one decode rank (a launch of 2 ranks)
 
 
 QUICK = Config(requests=8, rate=200.0, prompt_lengths=(2, 12), output_lengths=(1, 8), max_batch=4, block_size=4,
-               max_step_tokens=6, shared_prefix=8, repeats=1, speculative_requests=2, k=2, http_requests=32)
+               max_step_tokens=6, shared_prefix=8, repeats=1, speculative_requests=2, k=2, http_requests=32,
+               disaggregated=False)  # its launch costs more than the whole smoke run; the serving tests run it
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,9 @@ def chunked_name(config: Config) -> str:
     return f"+ chunked prefill ({config.max_step_tokens} tokens/step)"
 
 
+DISAGGREGATED = "disaggregated (1 prefill + 1 decode rank, a pool each)"
+
+
 def speculative_name(config: Config) -> str:
     return f"+ speculative decoding (k={config.k}, draft: first {config.draft_layers} layer(s))"
 
@@ -193,6 +199,8 @@ def measure(config: Config) -> Results:
         # one row per engine on the trace; another engine's row is one more entry here
         runs = {STATIC: s, CONTINUOUS: c, chunked_name(config): replay_continuous(chunked, trace),
                 speculative_name(config): replay_continuous(speculating, trace)}
+        if config.disaggregated:  # prefill on one rank, the KV blocks sent to a decode rank (its own pool)
+            runs[DISAGGREGATED] = run_disaggregated(model, trace, **pool).results
         passes = {STATIC: static_passes(static, s), CONTINUOUS: paged.steps, speculative_name(config):
                   speculating.steps}
         http = _http(model, config, pool, [a.request for a in trace], [r.tokens for r in s])
@@ -300,6 +308,7 @@ def markdown(results: Results) -> str:
             f"{st.proposed} guesses accepted, {st.tokens_per_round:.2f} tokens per sequence and target pass, "
             f"{st.draft_passes} draft passes; throughput {speculative.throughput / cont.throughput:.2f}× "
             f"continuous\n"
+            f"{_disaggregated_line(metrics, c)}"
             f"- forward passes (target): {passes}; static / continuous "
             f"{results.passes[STATIC] / results.passes[CONTINUOUS]:.2f}×, the throughput ratio if a pass cost "
             f"the same in both\n"
@@ -320,23 +329,28 @@ def markdown(results: Results) -> str:
             f"{'yes' if http.same_tokens else 'NO'}")
 
 
+def _disaggregated_line(metrics: dict[str, TraceMetrics], config: Config) -> str:
+    if DISAGGREGATED not in metrics:
+        return ""
+    d, c = metrics[DISAGGREGATED], metrics[CONTINUOUS]
+    return (f"- disaggregated / continuous (two processes against one thread; each rank has a pool of the same "
+            f"size): TTFT p50 {d.ttft_p50 / c.ttft_p50:.2f}×, TPOT p50 {d.tpot_p50 / c.tpot_p50:.2f}×, "
+            f"throughput {d.throughput / c.throughput:.2f}×\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m parallel_lib.bench serving [--quick] [--requests N] [--rate R] [--seed S] [--threads T]
-    [--outputs uniform|log-uniform] [--model tiny|small] [--clients C]``."""
-    parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench serving", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
-    parser.add_argument("--requests", type=int, help="requests in the trace (default 160)")
-    parser.add_argument("--rate", type=float, help="mean arrivals per second (default 400)")
-    parser.add_argument("--seed", type=int, help="the trace's seed (default 0)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default 1)")
-    parser.add_argument("--outputs", choices=["uniform", "log-uniform"], help="output lengths (default log-uniform)")
-    parser.add_argument("--model", choices=["tiny", "small"], help="GPT-2 size (default tiny)")
-    parser.add_argument("--clients", type=int, dest="http_clients", help="concurrent HTTP clients (default 32)")
-    args = parser.parse_args(argv)
-    config = QUICK if args.quick else Config()
-    for field in ("requests", "rate", "seed", "threads", "outputs", "model", "http_clients"):
-        if getattr(args, field) is not None:
-            config = replace(config, **{field: getattr(args, field)})
+    [--outputs uniform|log-uniform] [--model tiny|small] [--clients C] [--no-disaggregated]``."""
+    config, _ = parse_config(argv, "serving", __doc__, QUICK, Config, "8 short requests: a smoke run", [
+        ("--requests", {"type": int, "help": "requests in the trace (default 160)"}),
+        ("--rate", {"type": float, "help": "mean arrivals per second (default 400)"}),
+        ("--seed", {"type": int, "help": "the trace's seed (default 0)"}),
+        ("--threads", {"type": int, "help": "torch intra-op threads (default 1)"}),
+        ("--outputs", {"choices": ["uniform", "log-uniform"], "help": "output lengths (default log-uniform)"}),
+        ("--model", {"choices": ["tiny", "small"], "help": "GPT-2 size (default tiny)"}),
+        ("--clients", {"type": int, "dest": "http_clients", "help": "concurrent HTTP clients (default 32)"}),
+        ("--no-disaggregated", {"action": "store_false", "dest": "disaggregated", "default": None,
+                                "help": "skip the disaggregated row (a launch of 2 ranks)"})])
     positive_number("rate", config.rate)
     print(markdown(measure(config)))
     return 0

@@ -52,9 +52,10 @@ def zero2_rank(flat_params, make_optimizer):
     Return step(flat_grad), where flat_grad (P,) is this rank's gradient of its own micro-batch (the
     mean over its samples). After step(flat_grad), flat_params must hold what one process holds after
     AdamW on the mean gradient over all ranks, while this rank keeps optimizer states and a reduced
-    gradient for its own shard only. Use dist.reduce_scatter_tensor and dist.all_gather_into_tensor
-    (reduce_scatter_single and all_gather_single from torch 2.13 on) on the default group, and define
-    everything inside this function: the checker ships its source to 2 gloo ranks.
+    gradient for its own shard only. Use reduce_scatter_single and all_gather_single from
+    parallel_lib.runtime.compat (torch's one-tensor collectives, by whichever name this torch gives them)
+    on the default group, and define everything inside this function: the checker ships its source to
+    2 gloo ranks.
     """
     ...  # your code here
 '''

@@ -250,9 +250,8 @@ def zero3_bytes_sent(n_params: float, world_size: int, bytes_per_param: int) -> 
 def zero2_rank(flat_params, make_optimizer):
     import torch
     import torch.distributed as dist
-    # the names torch 2.13 gave the two halves of the ring all-reduce, or the older ones
-    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    # the two halves of the ring all-reduce, by the name this torch gives them
+    from parallel_lib.runtime.compat import all_gather_single as all_gather, reduce_scatter_single as reduce_scatter
     n, rank = dist.get_world_size(), dist.get_rank()
     size = flat_params.numel() // n
     shard = flat_params[rank * size:(rank + 1) * size].clone()  # this rank's parameters, a tensor of its own

@@ -1,8 +1,9 @@
 """Published GPU and interconnect figures, labelled as published: what a calibration would measure on them.
 
 These are datasheet peaks (dense, no sparsity), not measurements: a real training step reaches
-roughly 40–55 % of the FLOP/s (Narayanan et al. 2021 report 52 % on A100s for GPT-3-sized
-models; the Llama 3 paper, table 4, 38–43 % on H100s) and a collective less than the link's peak.
+roughly 40–55 % of the FLOP/s (Narayanan et al. 2021, table 1, p. 8: 43–52 % on A100s, 47 % for the
+145.6 B GPT, 52 % only for the 530 B and 1 T models; the Llama 3 paper, table 4, p. 10: 38–43 % on
+H100s) and a collective less than the link's peak.
 A :class:`~parallel_lib.planner.calibrate.Calibration` built from them (:func:`published_calibration`)
 therefore predicts a lower bound on step time, and says so.
 

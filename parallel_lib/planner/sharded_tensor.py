@@ -11,7 +11,7 @@ those very functions, so what it predicts is what the chapters measured:
 - **TP** (× DP over the GPUs left): the smallest tensor-parallel degree that fits, with sequence
   parallelism, and never beyond one node — its four all-reduces per block and step need
   NVLink-class links (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-  Clusters Using Megatron-LM", sec. 3.3: tensor parallelism within a node).
+  Clusters Using Megatron-LM", sec. 3.2, takeaway #1, p. 5: tensor parallelism within a node).
 """
 
 from __future__ import annotations
