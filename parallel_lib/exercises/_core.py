@@ -128,6 +128,22 @@ def failed(exercise: str, case: Optional[str], problem: str, hint: str = "") -> 
     return CheckResult(exercise, False, message, case)
 
 
+def call_student(exercise: str, case: str, fn: Callable, args: tuple, convert: Callable[[Any], Any],
+                 what: str) -> tuple[Any, Optional[CheckResult]]:
+    """One case of a student's function: ``(answer, None)``, or ``(None, the failed result)`` when it raised,
+    returned None, or returned what ``convert`` refuses (its TypeError says what ``what`` must be)."""
+    try:
+        got = fn(*args)
+    except Exception as error:  # noqa: BLE001 - the student's code, reported with its case
+        return None, failed(exercise, case, f"raised {type(error).__name__}: {error}")
+    if got is None:
+        return None, failed(exercise, case, "returned None: the function is not written yet, or it forgets to `return`")
+    try:
+        return convert(got), None
+    except TypeError as error:
+        return None, failed(exercise, case, f"returned {show(got, 80)}, but {what} must be {error}")
+
+
 def show(value: Any, limit: int = 300) -> str:
     """``repr`` cut to ``limit`` characters, floats rounded so messages stay readable."""
     if isinstance(value, float):

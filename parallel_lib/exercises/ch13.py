@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from parallel_lib.exercises._core import (CheckResult, Exercise, as_int, failed, is_stub, passed, require_callable,
+from parallel_lib.exercises._core import (CheckResult, Exercise, as_int, call_student, failed, is_stub, passed, require_callable,
                                           show, solution, stub_result)
 from parallel_lib.exercises.ch13_block_table import SLOT_STUB, check_block_slot
 from parallel_lib.inference.batch import Request, Result
@@ -138,16 +138,10 @@ def check_admit_requests(fn: Any) -> CheckResult:
         free, waiting, running, max_batch, block_size = situation
         label = f"admit_requests({free}, {waiting}, {running}, {max_batch}, {block_size})"
         want = scheduler_admits(*situation)
-        try:
-            got = fn(free, list(waiting), running, max_batch, block_size)
-        except Exception as error:  # noqa: BLE001 - the student's code, reported with its case
-            return failed(name, label, f"raised {type(error).__name__}: {error}")
-        if got is None:
-            return failed(name, label, "returned None: the function is not written yet, or it forgets to `return`")
-        try:
-            got = _as_positions(got)
-        except TypeError as error:
-            return failed(name, label, f"returned {show(got, 80)}, but the answer must be {error}")
+        got, failure = call_student(name, label, fn, (free, list(waiting), running, max_batch, block_size),
+                                    _as_positions, "the answer")
+        if failure:
+            return failure
         answers.append(got)
         if got != want:  # the typical mistake that gives every answer so far, if one does
             named, hint = next(((n, h) for wrong, n, h in _ADMIT_WRONG
@@ -237,16 +231,9 @@ def check_accept_draft(fn: Any) -> CheckResult:
         u, after = _uniform(seed)
         kept, replaced = verify_token(p, q, token, torch.Generator().manual_seed(seed))
         label = f"accept_draft(p={_rounded(p, 3)}, q={_rounded(q, 3)}, token={token}, u={u:.3f})"
-        try:
-            got = fn(p.clone(), q.clone(), token, u)
-        except Exception as error:  # noqa: BLE001 - the student's code, reported with its case
-            return failed(name, label, f"raised {type(error).__name__}: {error}")
-        if got is None:
-            return failed(name, label, "returned None: the function is not written yet, or it forgets to `return`")
-        try:
-            got = _as_decision(got)
-        except TypeError as error:
-            return failed(name, label, f"returned {show(got, 80)}, but the answer must be {error}")
+        got, failure = call_student(name, label, fn, (p.clone(), q.clone(), token, u), _as_decision, "the answer")
+        if failure:
+            return failure
         decisions.append((p, q, token, u, got[0]))
         if got[0] != replaced:
             named, hint = "", ""
