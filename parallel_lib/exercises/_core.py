@@ -131,7 +131,9 @@ def failed(exercise: str, case: Optional[str], problem: str, hint: str = "") -> 
 def call_student(exercise: str, case: str, fn: Callable, args: tuple, convert: Callable[[Any], Any],
                  what: str) -> tuple[Any, Optional[CheckResult]]:
     """One case of a student's function: ``(answer, None)``, or ``(None, the failed result)`` when it raised,
-    returned None, or returned what ``convert`` refuses (its TypeError says what ``what`` must be)."""
+    returned None, or returned what ``convert`` refuses (its TypeError says what ``what`` must be).
+
+    Test the second with ``is not None``: a failed :class:`CheckResult` is falsy."""
     try:
         got = fn(*args)
     except Exception as error:  # noqa: BLE001 - the student's code, reported with its case

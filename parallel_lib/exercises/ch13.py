@@ -140,7 +140,7 @@ def check_admit_requests(fn: Any) -> CheckResult:
         want = scheduler_admits(*situation)
         got, failure = call_student(name, label, fn, (free, list(waiting), running, max_batch, block_size),
                                     _as_positions, "the answer")
-        if failure:
+        if failure is not None:
             return failure
         answers.append(got)
         if got != want:  # the typical mistake that gives every answer so far, if one does
@@ -232,7 +232,7 @@ def check_accept_draft(fn: Any) -> CheckResult:
         kept, replaced = verify_token(p, q, token, torch.Generator().manual_seed(seed))
         label = f"accept_draft(p={_rounded(p, 3)}, q={_rounded(q, 3)}, token={token}, u={u:.3f})"
         got, failure = call_student(name, label, fn, (p.clone(), q.clone(), token, u), _as_decision, "the answer")
-        if failure:
+        if failure is not None:
             return failure
         decisions.append((p, q, token, u, got[0]))
         if got[0] != replaced:
