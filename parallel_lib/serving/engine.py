@@ -57,7 +57,7 @@ from parallel_lib.serving.paged_kv_cache import PagedKVCache
 from parallel_lib.serving.scheduler import Scheduled, Scheduler, Sequence
 from parallel_lib.serving.speculative import Drafter, SpeculativeSequence
 
-__all__ = ["StepRecord", "ServingEngine"]
+__all__ = ["StepRecord", "ServingEngine", "run_to_completion"]
 
 
 @dataclass
@@ -98,6 +98,24 @@ class StepRecord:
         """Guesses accepted / proposed in this step (NaN when none was proposed)."""
         proposed = sum(self.proposed.values())
         return sum(self.accepted.values()) / proposed if proposed else float("nan")
+
+
+
+def run_to_completion(server: Any, requests: Seq[Request], n_positions: int) -> list[Result]:
+    """Add ``requests`` to ``server`` (an engine, or a router of engines: ``add``, ``idle``, ``step``,
+    ``results``) and step it until all are done; their results in order.
+
+    Raises:
+        TypeError, ValueError: a request :func:`~parallel_lib.inference.batch.check_requests` refuses
+            (every request is checked before any is added).
+    """
+    requests = check_requests(requests, n_positions)
+    first = len(server.results)
+    for request in requests:
+        server.add(request)
+    while not server.idle():
+        server.step()
+    return [server.results[first + i] for i in range(len(requests))]
 
 
 class ServingEngine:
@@ -244,13 +262,7 @@ class ServingEngine:
         Raises:
             TypeError, ValueError: as :meth:`add` (checked for every request before any runs).
         """
-        requests = check_requests(requests, self.n_positions)
-        first = len(self.results)
-        for request in requests:
-            self.add(request)
-        while not self.idle():
-            self.step()
-        return [self.results[first + i] for i in range(len(requests))]
+        return run_to_completion(self, requests, self.n_positions)
 
     def flatten(self, plan: Scheduled) -> bool:
         """Whether to lay this step out flat (one row) or padded (a row per sequence): whichever computes less
@@ -279,7 +291,9 @@ class ServingEngine:
             return None
         drafter = self.drafter
         guesses = [[] for _ in plan.sequences] if drafter is None else drafter.propose(plan)
-        flat = self.flatten(replace(plan, stops=[stop + len(g) for stop, g in zip(plan.stops, guesses)]))
+        # the guesses lengthen each sequence's feed (no copy of the plan without a draft: every step runs this)
+        flat = self.flatten(plan if drafter is None else
+                            replace(plan, stops=[stop + len(g) for stop, g in zip(plan.stops, guesses)]))
         layout = self._inputs(plan, flat, guesses)
         x = paged_forward(self.model, self.cache.at(layout.write, layout.valid, layout.read), layout)  # (R, S, h)
         rows, cols = layout.rows, layout.cols

@@ -48,7 +48,7 @@ from parallel_lib.common.checks import check_choice, positive_int, positive_numb
 from parallel_lib.inference.batch import Request, Result, check_requests
 from parallel_lib.models.hf import as_gpt2
 from parallel_lib.serving.block_manager import blocks_for
-from parallel_lib.serving.engine import ServingEngine, StepRecord
+from parallel_lib.serving.engine import ServingEngine, StepRecord, run_to_completion
 
 __all__ = ["POLICIES", "ReplicaRouter"]
 
@@ -183,13 +183,7 @@ class ReplicaRouter:
         Raises:
             TypeError, ValueError: as :meth:`add` (checked for every request before any is routed).
         """
-        requests = check_requests(requests, self.engines[0].n_positions)
-        first = len(self.results)
-        for request in requests:
-            self.add(request)
-        while not self.idle():
-            self.step()
-        return [self.results[first + i] for i in range(len(requests))]
+        return run_to_completion(self, requests, self.engines[0].n_positions)
 
     def served(self) -> list[int]:
         """Requests each replica was given, by replica."""
