@@ -33,7 +33,7 @@ from parallel_lib.cost.units import MiB
 from parallel_lib.planner.layout import Layout, state_memory
 from parallel_lib.planner.published import LLAMA3
 from parallel_lib.sharding.layers import layer_modules
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 __all__ = ["GPT2_XL", "DRY_RUN_MODELS", "meta_model", "tp_plan", "fsdp_local_numel", "DryRun", "dry_run",
            "dry_run_rows", "DRY_RUN_HEADER"]
