@@ -56,16 +56,29 @@ def test_links_of_an_h100_node_are_nvlink_inside_and_infiniband_across():
 
 
 def test_chapter_05s_planner_prices_a_node_on_nvlink_and_nodes_on_infiniband():
-    # LLaMA-2-7B, fp16: 6.74e9 x 2 bytes of gradients; DP x PP = 2 replicas of 4 stages on one node of 8
+    # LLaMA-2-7B, fp16; DP x PP = 2 replicas of 4 stages on one node of 8. The last stage is the busiest: 8 blocks
+    # of 202,383,360 (matrices and two RMSNorm weights), the final norm (4096) and the untied head (32,000 x 4096)
     one_node = plan("llama-2-7b", 4096, 64, 80, 8).option("DP×PP")
     assert (one_node.replicas, one_node.stages, one_node.micro_batches) == (2, 4, 16)
-    grads = one_node.allreduce_bytes * 4  # over 2 replicas a rank sends its stage's gradients once
-    assert one_node.comm_seconds == pytest.approx(grads / 4 / 450e9 + one_node.p2p_bytes / 450e9, rel=1e-12)
+    params = 8 * 202_383_360 + 4096 + 32_000 * 4096
+    assert one_node.priced.params == params == 1_750_142_976
+    # ring all-reduce of its fp16 gradients over 2 replicas on NVLink: 2 steps of 5 µs, 2 x 1/2 x 2 bytes x params
+    assert one_node.allreduce_bytes == 2 * params
+    dp = one_node.priced.dp_comm + one_node.priced.dp_hidden
+    assert dp == pytest.approx(2 * 5e-6 + 2 * params / 450e9, rel=1e-12)
+    # an inner stage sends 16 micro-batches' (2 x 4096 x 4096) fp16 hidden states forward and their gradients back
+    boundary = 2 * 4096 * 4096 * 2
+    assert one_node.p2p_bytes == 2 * 16 * boundary == 2_147_483_648
+    assert one_node.priced.pp_comm == pytest.approx(32 * (5e-6 + boundary / 450e9), rel=1e-12)
+    assert one_node.comm_seconds == pytest.approx(dp + one_node.priced.pp_comm, rel=1e-12)
     # 16 GPUs: the 8 replicas' group spans two nodes (InfiniBand), each 2-stage pipeline stays on one (NVLink)
     two_nodes = plan("llama-2-7b", 4096, 64, 80, 16).option("DP×PP")
     assert (two_nodes.replicas, two_nodes.stages) == (8, 2)
-    assert two_nodes.comm_seconds == pytest.approx(two_nodes.allreduce_bytes / 50e9 + two_nodes.p2p_bytes / 450e9,
-                                                   rel=1e-12)
+    params = 16 * 202_383_360 + 4096 + 32_000 * 4096  # the last of 2 stages
+    dp = two_nodes.priced.dp_comm + two_nodes.priced.dp_hidden
+    assert dp == pytest.approx(14 * 10e-6 + 2 * 7 / 8 * 2 * params / 50e9, rel=1e-12)  # 14 ring steps of 10 µs
+    boundary = 4096 * 4096 * 2  # 8 micro-batches of one sequence; an end stage sends one way
+    assert two_nodes.priced.pp_comm == pytest.approx(8 * (5e-6 + boundary / 450e9), rel=1e-12)
     assert "gradients on InfiniBand, 50 GB/s; hidden states on NVLink, 450 GB/s" in "\n".join(two_nodes.reasons)
 
 

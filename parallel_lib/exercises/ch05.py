@@ -27,6 +27,7 @@ from parallel_lib.exercises._core import (
     same_number,
     show,
 )
+from parallel_lib.cost.shape import SHAPES
 from parallel_lib.model_parallel.memory import MODEL_SHAPES, training_memory
 from parallel_lib.planner.strategy import fewest_stages, plan
 
@@ -103,7 +104,7 @@ class _Fits:
 def _planner_case(model: str, seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int) -> Case:
     chosen = plan(model, seq_len, batch_size, gpu_gib, n_gpus)  # the chapter's planner: its answer is the key
     label = f"{model}, {batch_size} x {seq_len} tokens, {n_gpus} x {gpu_gib:g} GiB"
-    return Case((_Fits(label, chosen.fits), n_gpus, MODEL_SHAPES[model].n_layers), chosen.layout)
+    return Case((_Fits(label, chosen.fits), n_gpus, SHAPES[model].n_layer), chosen.layout)
 
 
 def _made_up_case(label: str, test: Callable[[int, int], bool], n_gpus: int, n_layers: int) -> Case:
