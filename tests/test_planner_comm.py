@@ -136,3 +136,14 @@ def test_zero_3_prefetch_hides_gathers_behind_each_pass_and_tp_hides_nothing():
     tp = Layout(dp=2, tp=2)  # the tensor-parallel all-reduces are on the critical path: never hidden
     on, off = (price(tp, SHAPE, 16, 64, CAL, SLOW, overlap=flag) for flag in (True, False))
     assert on.tp_comm == off.tp_comm > 0 and on.compute == off.compute
+
+
+def test_links_are_a_calibration_of_published_figures_for_chapter_05s_planner():
+    pcie = Links(25e9, 12.5e9, 8, "PCIe", "Ethernet").calibration()
+    # inside a node of 8: the links' own speed with NVLink's 5 µs a ring step; 9 ranks wide: the network's, 10 µs
+    assert pcie.link("all_reduce", 16, 8) == AlphaBeta(5e-6, 25e9)
+    assert pcie.link("all_reduce", 16, 9) == AlphaBeta(10e-6, 12.5e9)
+    assert pcie.ranks[1].flops_per_second == 989e12  # computing at an H100's published peak unless told
+    assert published_calibration("A100").link("send", 64, 16) == AlphaBeta(10e-6, 25e9)  # DGX A100: HDR, 25 GB/s
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        Links(25e9, 12.5e9, gpu="H200")

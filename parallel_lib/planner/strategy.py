@@ -131,7 +131,7 @@ class _Inputs:
     def _option(self, strategy: str, p: Priced, fits: bool, notes: Sequence[str], blocker: str = "") -> Option:
         """The option's record: its name and the reasons, every number read from the pricing ``p``."""
         L, s = p.layout, self.shape
-        name = f"ZeRO-{L.zero}" if strategy == "ZeRO" and L.zero else strategy
+        name = f"ZeRO-{L.zero}" if strategy == "ZeRO" and fits else strategy  # "ZeRO": no stage fits
         sizes = dict(tp=L.tp, pp=L.pp, dp=L.dp)
         mb = self.rows(L.dp) // L.micro_batches
         why = [blocker] if blocker else []
@@ -186,6 +186,10 @@ class _Inputs:
             return None
         strategy = "DP" if stages == 1 else ("PP" if replicas == 1 else "DP×PP")
         return self.option(strategy, self._split(stages, replicas, recompute), retry=False)
+
+    def layout(self) -> Optional[tuple[int, int]]:
+        """:func:`fewest_stages` under :meth:`fits_memory` without recomputation: :attr:`Plan.layout`."""
+        return fewest_stages(self.fits_memory, self.n_gpus, self.shape.n_layer)
 
     def search(self, min_stages: int, min_replicas: int) -> Optional[Option]:
         """:func:`fewest_stages` under this plan's memory test; recomputation only if nothing fits without."""
