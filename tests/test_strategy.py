@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from parallel_lib.common import build_gpt2  # noqa: E402
@@ -23,6 +24,7 @@ from parallel_lib.cost.shape import SHAPES, GPTShape  # noqa: E402
 from parallel_lib.cost.units import GiB  # noqa: E402
 from parallel_lib.model_parallel import activation_memory, get_device_map, parallelize  # noqa: E402
 from parallel_lib.pipeline_parallel import bubble_fraction  # noqa: E402
+from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages  # noqa: E402
 from parallel_lib.planner import (  # noqa: E402
     PART_ONE,
     Layout,
@@ -244,14 +246,16 @@ def test_one_pricing_a_pipeline_stage_holds_its_blocks_and_the_embedding_not_an_
     Chapter 05's old planner gave every stage 16Ψ/p bytes of training state (16 x 124,439,808 / 2 =
     995,518,464) and all-reduced 2Ψ/p bytes of gradients; chapter 10's pricing counts what a stage holds:
     6 blocks of 12h² + 13h = 7,087,872, and on the first stage the 50,257 x 768 token and 1,024 x 768
-    position tables (the last stage holds ln_f and its own copy of the tied head, 785,664 fewer). The run's
-    tensor census agrees with the second (``test_hybrid.test_bytes_sent_are_what_the_planner_counts``: each
-    stage's gradients, the head's copy included, go through its replicas' all-reduce), so that is the one
-    chapter 05 now shows.
+    position tables (the last stage holds ln_f and its own copy of the tied head, no positions: 784,896 fewer). Chapter 04's
+    own split of the real GPT-2 (built on the meta device) holds what the second says, so that is the one
+    chapter 05 now shows (a run's census: ``test_hybrid.test_bytes_sent_are_what_the_planner_counts``).
     """
     option = plan("gpt2 (124M)", 1024, 32, 16, 8).option("DP×PP")
     assert (option.replicas, option.stages) == (4, 2)
     first = 6 * 7_087_872 + 50_257 * 768 + 1_024 * 768
+    with torch.device("meta"):
+        stages = gpt2_stages(build_gpt2("gpt2"), ["meta", "meta"])
+    assert [sum(p.numel() for p in stage.parameters()) for stage in stages] == [first, first - 1_024 * 768 + 2 * 768]
     assert option.state_bytes == 16 * first == 1_310_576_640 != 16 * 124_439_808 / 2
     assert option.priced.params == first == 81_911_040
     # fp16 gradients of the first stage, ring all-reduce over 4 replicas: 2 x 3/4 x 2 bytes each
