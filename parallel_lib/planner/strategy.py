@@ -36,7 +36,7 @@ from parallel_lib.planner.layout import Layout, MemoryCost, Priced, StepCost, pr
 from parallel_lib.planner.option import PART_ONE, STRATEGIES, WHEN_TO_USE, Option, Plan
 from parallel_lib.planner.search import divisors
 
-__all__ = ["PART_ONE", "STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "fewest_stages", "named_layouts"]
+__all__ = ["PART_ONE", "STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "plan", "fewest_stages"]
 
 DTYPES = ("fp16", "bf16", "fp32")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -248,14 +248,6 @@ class _Inputs:
             return self.option("TP×DP", tries, [f"tp within a node of {self.links.gpus_per_node} GPUs"])
         out["TP×DP"] = tensor_parallel
         return tuple(out[name]() for name in strategies)
-
-
-def named_layouts(strategies: Sequence[str] = STRATEGIES) -> dict[str, str]:
-    """What each named strategy runs as (for a table): the layout family :func:`plan` tries for it."""
-    families = {"DP": "Layout(dp=d)", "MP": "Layout(pp=p, schedule='sequential')", "PP": "Layout(pp=p, m=4p)",
-                "DP×PP": "Layout(dp=n/p, pp=p), fewest p", "ZeRO": "Layout(dp=d, zero=1..3), lowest stage",
-                "TP×DP": "Layout(dp=n/t, tp=t, sequence_parallel=True), smallest t"}
-    return {name: families[name] for name in strategies}
 
 
 def plan(model: Union[str, GPTShape], seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int,
