@@ -8,7 +8,7 @@ import pytest
 from parallel_lib.common.models import gpt2_config
 from parallel_lib.inference.cost_model import (GPUS, Hardware, Workload, calibrate_overhead, forward_bytes,
                                                forward_flops, matmul_parameters, predict, tp_crossover_width)
-from parallel_lib.inference.serving_memory import (decoder_shape, kv_cache_bytes, kv_heads_per_rank,
+from parallel_lib.inference.serving_memory import (as_shape, kv_cache_bytes, kv_heads_per_rank,
                                                    max_concurrent_requests, serving_memory, weights_per_device)
 from parallel_lib.model_parallel import MODEL_SHAPES, GiB
 from parallel_lib.cost.shape import GPTShape
@@ -107,7 +107,7 @@ A100 = GPUS["A100 80GB (published)"]
 def test_flops_and_bytes_by_hand():
     # the embedding lookup and the final norm multiply nothing; the blocks (norms included) and the head do
     assert matmul_parameters("llama-2-7b") == LLAMA_7B - 32000 * 4096 - 4096
-    tiny = decoder_shape(gpt2_config("tiny", 128))
+    tiny = as_shape(gpt2_config("tiny", 128))
     assert matmul_parameters(tiny) == 4 * (12 * 64 * 64 + 13 * 64) + 128 * 64  # tied head counts
     assert forward_flops("llama-2-7b", 100, 0) == 2 * matmul_parameters("llama-2-7b") * 100
     assert forward_bytes("llama-2-7b", 3, 10, "fp16") == 2 * matmul_parameters("llama-2-7b") + 3 * 10 * 2**19
@@ -152,7 +152,7 @@ def test_tp_crossover_width_is_where_tp_starts_to_win():
     width = tp_crossover_width(slow_link, 2, 1, 32)  # widths 128, 256, ...: heads of 64, an even number
     assert width is not None and width > 128
     for h, faster in ((width, True), (width - 128, False)):
-        shape = decoder_shape(gpt2_config("tiny", 1024, n_embd=h, n_head=h // 64, n_layer=2, n_positions=33))
+        shape = as_shape(gpt2_config("tiny", 1024, n_embd=h, n_head=h // 64, n_layer=2, n_positions=33))
         w = Workload(32, 1, 1, "fp32")
         assert (predict(shape, "tp", 2, w, slow_link).tpot < predict(shape, "single", 1, w, slow_link).tpot) == faster
     quick_link = tp_crossover_width(dataclasses.replace(slow_link, link_latency=5e-6), 2, 1, 32)
