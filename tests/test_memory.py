@@ -75,6 +75,8 @@ def test_model_memory_adds_the_activations_of_full_length_sequences():
     assert estimate.activations == 32 * 4096 * 4096 * 34 == 17 * 2**30
     assert estimate.total - estimate.activations == 16 * 6_738_415_616
     assert model_memory("llama-2-7b", "fp16", None, batch_size=1).activations == 0  # inference keeps none
+    # every published shape, Llama 3 8B's real 8.03B parameters (SwiGLU, 8 KV heads, untied head) included
+    assert model_memory("llama-3-8b", "bf16", "adamw").total == 16 * 8_030_261_248
 
 
 def test_bad_estimate_inputs():
