@@ -22,6 +22,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
 from parallel_lib.runtime import launch
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.sharding.memory import zero_traffic
@@ -30,7 +31,6 @@ from parallel_lib.training import Plan, RunConfig, reference, train_many
 from parallel_lib.training.layouts import job_step_times, max_difference, measure_layout, split_fields, \
     summarize_layout
 from parallel_lib.training.run import check_layout
-from parallel_lib.training.tp_stage import stage_blocks
 from parallel_lib.training.traffic import dp_groups, expected_traffic, owned_parameters, stage_parameters, \
     state_bytes, wire_bytes
 

@@ -14,6 +14,7 @@ from parallel_lib.pipeline_parallel.microbatch import (
     scatter,
     split_layers,
     split_like,
+    stage_blocks,
 )
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b, zb_h1, zb_h2, zbv
 from parallel_lib.pipeline_parallel.dualpipe import dualpipev
@@ -51,6 +52,7 @@ __all__ = [
     "lm_loss",
     "Target",
     "split_layers",
+    "stage_blocks",
     "scatter",
     "gather",
     "check_layers",
