@@ -14,7 +14,7 @@ import pytest
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.pipeline_parallel import gpt2_stages, stage_blocks
 from parallel_lib.planner.layout import rank_parameters
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 
 def test_stage_blocks_gives_the_first_stages_the_remainder():
