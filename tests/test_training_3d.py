@@ -25,7 +25,8 @@ import torch
 from parallel_lib.runtime import launch
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.sharding.memory import zero_traffic
-from parallel_lib.tensor_parallel.cost import GPTShape, shard_parameters, step_collectives
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import shard_parameters, step_collectives
 from parallel_lib.training import Plan, RunConfig, reference, train_many
 from parallel_lib.training.layouts import job_step_times, max_difference, measure_layout, split_fields, \
     summarize_layout

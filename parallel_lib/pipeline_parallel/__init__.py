@@ -18,6 +18,7 @@ from parallel_lib.pipeline_parallel.microbatch import (
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b, zb_h1, zb_h2, zbv
 from parallel_lib.pipeline_parallel.dualpipe import dualpipev
 from parallel_lib.pipeline_parallel.hangs import check_blocking, check_schedule, hang_gallery, parse_schedule
+from parallel_lib.pipeline_parallel.live_deadlock import send_first
 from parallel_lib.pipeline_parallel.pipe import Pipe, StageError
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import (
@@ -43,6 +44,7 @@ from parallel_lib.pipeline_parallel.timeline_stats import in_flight, stage_costs
 from parallel_lib.pipeline_parallel.worker import THREAD_PREFIX, Task, Workers
 
 __all__ = [
+    "send_first",
     "GPT2Embedding",
     "GPT2Blocks",
     "GPT2Head",

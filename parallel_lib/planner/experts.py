@@ -36,7 +36,7 @@ from parallel_lib.model_parallel.memory import DTYPE_BYTES
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, dp_collectives, price, stage_blocks
 from parallel_lib.planner.search import divisors, plan_layouts
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 __all__ = ["Experts", "EPPriced", "EPPlan", "mlp_parameters", "price_ep", "plan_ep"]
 

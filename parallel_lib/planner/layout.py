@@ -64,7 +64,8 @@ from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import AlphaBeta, Calibration
 from parallel_lib.planner.hardware import group_span
-from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import activation_bytes, shard_parameters, step_collectives
 
 __all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "stage_parameter_shapes",
            "state_memory", "dp_collectives", "cp_seconds", "exposed_seconds", "price", "SCHEDULES"]

@@ -57,7 +57,8 @@ from parallel_lib.cost.zero import zero_collectives
 from parallel_lib.cost.alpha_beta import wire_bytes
 from parallel_lib.sharding.flat import make_buckets, padded_numel
 from parallel_lib.sharding.memory import zero_memory
-from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, shard_parameters
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import layer_collectives, shard_parameters
 
 __all__ = ["stage_parameters", "stage_tensor_sizes", "dp_groups", "owned_parameters", "expected_traffic",
            "wire_bytes", "state_bytes", "group_sizes", "FLOAT", "BUCKET_CAP_MB"]
