@@ -18,7 +18,8 @@ import torch
 
 from parallel_lib.cost.alpha_beta import AlphaBeta, hops
 from parallel_lib.planner.calibrate import SIZES
-from parallel_lib.planner.interleaved import JITTER, PIECE_ROWS, World, compute_pieces, fit_interleaved
+from parallel_lib.planner.interleaved import (JITTER, PIECE_ROWS, World, compute_pieces, fit_interleaved,
+                                              interleaved_seconds)
 
 LINK = AlphaBeta(200e-6, 2e9)    # the collective's own cost, as back-to-back calls show it
 PIECE, SLOWER = 1e-3, 0.4e-3     # every rank's piece of compute; the round's slow rank takes SLOWER more
@@ -118,3 +119,11 @@ def test_pieces_are_the_same_draw_on_every_rank_varied_a_little_per_rank():
 def test_bad_pieces_are_refused_with_the_argument_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         compute_pieces(0, **kwargs)
+
+
+def test_the_procedure_refuses_no_repeats_and_no_pieces():
+    world = SimulatedWorld(1, 0.0)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        interleaved_seconds(world.collective(0, 1e-3), world.pieces(0, 2, 0.0), 0, world.world(0))
+    with pytest.raises(ValueError, match="pieces is empty"):
+        interleaved_seconds(world.collective(0, 1e-3), [], 2, world.world(0))

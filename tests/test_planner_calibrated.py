@@ -145,6 +145,16 @@ def test_calibration_round_trips_and_caches_outside_the_repository(tmp_path, mon
     assert again.ranks[4].links["send"] == LINK and again.step_cost("m", 4) == (2.0, 1.0, 6.0)  # 2x slower
 
 
+def test_one_device_is_priced_with_a_calibration_of_one_process_alone():
+    """The full bench prices one device with the calibration of one process, which has no collective fit."""
+    alone = Calibration("one", {1: RankSpeed(1, 1e10, 1e10)})  # measured alone: no links
+    one = price(Layout(), SHAPE, 16, 64, alone, COST)
+    assert one.step_seconds == pytest.approx(price(Layout(), SHAPE, 16, 64, CAL, COST).step_seconds)
+    assert alone.link("send", 1, 1).seconds("send", 1e6, 1) == 0.0
+    with pytest.raises(ValueError, match="no collective fit for 1 rank"):
+        alone.link("all_reduce", 1, 2)
+
+
 def test_a_cache_measured_the_old_way_is_measured_again(tmp_path, monkeypatch):
     """Version 1 timed collectives back to back: its α lacks the waits a step pays (issue #21, item 8)."""
     from parallel_lib.planner import calibrate as calibrate_module

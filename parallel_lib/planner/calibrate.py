@@ -170,7 +170,16 @@ class Calibration:
         return Calibration(self.machine, ranks, self.gpus_per_node, self.across)
 
     def link(self, kind: str, world_size: int, span: int) -> AlphaBeta:
-        """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide."""
+        """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide.
+
+        A group one rank wide never communicates: a free link, even in a calibration of one process
+        alone (which has no collective fit: the benchmark prices one device with it).
+
+        Raises:
+            ValueError: a wider group in a world size the calibration has no collective fit for.
+        """
+        if span <= 1:
+            return AlphaBeta(0.0, math.inf)
         if self.gpus_per_node and span > self.gpus_per_node:
             return self.across[kind]
         speed = self.at(world_size)
