@@ -159,13 +159,40 @@ def test_calibration_round_trips_and_caches_outside_the_repository(tmp_path, mon
     assert again.ranks[4].links["send"] == LINK and again.step_cost("m", 4) == (2.0, 1.0, 6.0)  # 2x slower
 
 
+def test_one_device_is_priced_with_a_calibration_of_one_process_alone():
+    """The full bench prices one device with the calibration of one process, which has no collective fit."""
+    alone = Calibration("one", {1: RankSpeed(1, 1e10, 1e10)})  # measured alone: no links
+    one = price(Layout(), SHAPE, 16, 64, alone, COST)
+    assert one.step_seconds == pytest.approx(price(Layout(), SHAPE, 16, 64, CAL, COST).step_seconds)
+    assert alone.link("send", 1, 1).seconds("send", 1e6, 1) == 0.0
+    with pytest.raises(ValueError, match="no collective fit for 1 rank"):
+        alone.link("all_reduce", 1, 2)
+
+
+def test_a_cache_measured_the_old_way_is_measured_again(tmp_path, monkeypatch):
+    """Version 1 timed collectives back to back: its α lacks the waits a step pays (issue #21, item 8)."""
+    from parallel_lib.planner import calibrate as calibrate_module
+    from parallel_lib.planner.calibrate import machine_key
+    from parallel_lib.planner.calibration_cache import load_or_calibrate
+
+    monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
+    (tmp_path / f"planner-{machine_key()}.json").write_text(CAL.to_json())  # where version 1 kept it
+    measured = []
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **kw: measured.append(kw) or CAL)
+    load_or_calibrate()
+    assert measured == [{}] and cache_path().exists() and cache_path().name.startswith("planner-v2-")
+    load_or_calibrate()  # the new cache is read back, not measured again
+    assert measured == [{}]
+
+
 def test_bench_quick_prints_every_row_with_predicted_and_measured(capsys):
     from parallel_lib.bench.planner import main
 
     torch.manual_seed(0)
     assert main(["--quick"]) == 0
     out = capsys.readouterr().out
-    assert "| DP2 |" in out and "| PP2 1f1b m=4 |" in out and "model states within 5 %" in out
+    assert "| DP2 |" in out and "| PP2 1f1b m=4 |" in out and "model states within 1 %" in out
+    assert "<=1%" in out and "<=5%" not in out  # the issue's goal for model state: within 1 %
 
 
 def _good_cache() -> dict:

@@ -28,7 +28,7 @@ from parallel_lib.exercises._core import (
     show,
 )
 from parallel_lib.cost.shape import SHAPES
-from parallel_lib.model_parallel.memory import MODEL_SHAPES, training_memory
+from parallel_lib.model_parallel.memory import training_memory
 from parallel_lib.planner.strategy import fewest_stages, plan
 
 __all__ = ["check_bytes_per_device", "check_plan_parallelism", "check_ring_exchange_order", "replay_blocking",
@@ -81,7 +81,7 @@ def _per_device_hint(args: tuple, got: Any) -> str:
 
 def check_bytes_per_device(fn: Any) -> CheckResult:
     """Check ``bytes_per_device(n_params, pipeline_stages, data_replicas)`` against ``training_memory``."""
-    n_7b = MODEL_SHAPES["llama-2-7b"].n_params
+    n_7b = SHAPES["llama-2-7b"].parameters()
     shapes = [(1_000_000_000, 1, 1), (1_000_000_000, 4, 1), (1_000_000_000, 1, 8), (n_7b, 2, 4), (n_7b, 8, 1)]
     cases = [Case(shape, training_memory(shape[0], *_MIXED_ADAM).per_device(shape[1])) for shape in shapes]
     return check_function("bytes_per_device", fn, "bytes_per_device", cases, normalise=as_number,

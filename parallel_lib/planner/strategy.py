@@ -32,7 +32,8 @@ from parallel_lib.cost.shape import SHAPES, GPTShape, shape_of
 from parallel_lib.cost.units import GiB
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.hardware import Links, group_span
-from parallel_lib.planner.layout import Layout, MemoryCost, Priced, StepCost, price, price_memory, stage_blocks
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
+from parallel_lib.planner.layout import Layout, MemoryCost, Priced, StepCost, price, price_memory
 from parallel_lib.planner.option import PART_ONE, STRATEGIES, WHEN_TO_USE, Option, Plan
 from parallel_lib.planner.search import divisors
 
@@ -139,7 +140,7 @@ class _Inputs:
                + (f", ZeRO-{L.zero} over {L.dp} replicas" if L.zero else "") + ")"
                + (f" + {p.working_bytes / GiB:.1f} GiB gathered by ZeRO-3" if p.working_bytes else "")
                + f" + {p.activation_bytes / GiB:.1f} GiB of activations ({p.in_flight:g} micro-batch(es) of {mb} "
-               f"sequence(s) x {max(stage_blocks(s.n_layer, L.pp))} block(s){', recomputed' if L.recompute else ''})"
+               f"sequence(s) x {max(len(b) for b in stage_blocks(s.n_layer, L.pp))} block(s){', recomputed' if L.recompute else ''})"
                f" = {p.memory_bytes / GiB:.1f} GiB {'<=' if p.memory_bytes <= self.gpu_bytes else '>'} "
                f"{self.gpu_bytes / GiB:g} GiB per GPU"]
         if L.pp == 1 and L.micro_batches > 1:
