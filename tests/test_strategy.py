@@ -22,7 +22,8 @@ from parallel_lib.figures import collect  # noqa: E402
 from parallel_lib.cost.alpha_beta import ring_wire_bytes  # noqa: E402
 from parallel_lib.cost.shape import SHAPES, GPTShape  # noqa: E402
 from parallel_lib.cost.units import GiB  # noqa: E402
-from parallel_lib.model_parallel import activation_memory, get_device_map, parallelize  # noqa: E402
+from parallel_lib.model_parallel import get_device_map, parallelize  # noqa: E402
+from parallel_lib.cost.activation import activation_bytes  # noqa: E402
 from parallel_lib.pipeline_parallel import bubble_fraction  # noqa: E402
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages  # noqa: E402
 from parallel_lib.planner import (  # noqa: E402
@@ -140,10 +141,12 @@ def test_recomputation_is_the_last_resort_and_costs_a_quarter_of_the_compute():
 
 
 def test_recomputed_activations_keep_one_input_per_layer_and_one_full_layer():
-    full = activation_memory(2, 1024, 768, 12, 12, False)
-    recomputed = activation_memory(2, 1024, 768, 12, 12, False, recompute=True)
-    assert recomputed == 12 * 2 * 2 * 1024 * 768 + full / 12
-    assert recomputed < full / 5
+    # GPT-2 124M, 2 sequences of 1,024 tokens, no score matrices: s·b·h = 1,572,864; Korthikanti et al. 2022
+    # sec. 4.1: 34·s·b·h bytes per layer in 16-bit, 12 layers = 641,728,512; recomputed (sec. 5): each layer keeps
+    # its 2-byte input, 2·s·b·h, and one layer's 34·s·b·h comes back in backward: (12·2 + 34)·s·b·h = 91,226,112
+    gpt2 = SHAPES["gpt2 (124M)"]
+    assert activation_bytes(2, 1024, gpt2, attention_scores=False) == 641_728_512
+    assert activation_bytes(2, 1024, gpt2, attention_scores=False, recompute=True) == 91_226_112
 
 
 def test_a_batch_smaller_than_the_gpus_limits_data_parallelism():

@@ -30,11 +30,8 @@ from parallel_lib.runtime.device import DeviceKey, resolve_device
 __all__ = [
     "DTYPE_BYTES",
     "OPTIMIZER_STATES",
-    "ModelShape",
-    "MODEL_SHAPES",
     "TrainingMemory",
     "training_memory",
-    "activation_memory",
     "DeviceMemory",
     "memory_report",
     "format_memory_report",
@@ -47,31 +44,6 @@ __all__ = [
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 values the optimizer keeps per parameter: Adam's first and second moments, SGD's momentum
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-
-
-# ModelShape, MODEL_SHAPES and activation_memory are what planner/strategy.py, option.py and
-# sharded_tensor.py still read; everything else uses parallel_lib.cost.shape and parallel_lib.cost.activation.
-# They go once the planner prices with GPTShape (issue #21, "One cost model, in one place").
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimates need to know about a published model."""
-
-    n_params: int  # parameters, tied weights once
-    n_layers: int
-    hidden: int
-    n_heads: int
-    seq_len: int  # context length it was trained with
-
-
-# Parameter counts as the Hugging Face checkpoints hold them; shapes from the configs
-# (GPT-2: Radford et al. 2019; LLaMA-2: Touvron et al. 2023, "Llama 2", table 1).
-MODEL_SHAPES: dict[str, ModelShape] = {
-    "gpt2 (124M)": ModelShape(124_439_808, 12, 768, 12, 1024),
-    "gpt2-xl (1.5B)": ModelShape(1_557_611_200, 48, 1600, 25, 1024),
-    "llama-2-7b": ModelShape(6_738_415_616, 32, 4096, 32, 4096),
-    "llama-2-13b": ModelShape(13_015_864_320, 40, 5120, 40, 4096),
-    "llama-2-70b": ModelShape(68_976_648_192, 80, 8192, 64, 4096),
-}
 
 
 @dataclass(frozen=True)
@@ -153,38 +125,6 @@ def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str]
     master = 4 * n_params if width < 4 else 0.0
     return TrainingMemory(n_params * width, n_params * width, master, 4 * OPTIMIZER_STATES[optimizer] * n_params,
                           activations)
-
-
-def activation_memory(batch_size: int, seq_len: int, hidden: int, n_heads: int, n_layers: int,
-                      attention_scores: bool = True, recompute: bool = False) -> float:
-    """Bytes of activations kept for the backward pass, 16-bit training.
-
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models", sec. 4.1: one GPT layer stores ``s*b*h*(34 + 5*a*s/h)``
-    bytes (s sequence length, b batch size, h hidden size, a heads; 2-byte values
-    and 1-byte dropout masks). The ``5*a*s/h`` part is the attention score matrices
-    and their dropout masks, which FlashAttention-style kernels (or selective
-    recomputation) never store: pass ``attention_scores=False`` to drop it. Not
-    counted: embeddings, final logits, and architecture changes (LLaMA's SwiGLU MLP
-    stores somewhat more than GPT's 4h MLP).
-
-    ``recompute=True`` is full activation recomputation (``torch.utils.checkpoint`` around each
-    block; Korthikanti et al. sec. 5): every layer keeps only its 16-bit input, ``2*s*b*h`` bytes,
-    and the backward pass rebuilds one layer's activations at a time, so one layer's full
-    ``s*b*h*(34 + ...)`` comes on top.
-
-    Raises:
-        ValueError: a size below 1.
-    """
-    sizes = dict(batch_size=batch_size, seq_len=seq_len, hidden=hidden, n_heads=n_heads, n_layers=n_layers)
-    bad = {k: v for k, v in sizes.items() if v < 1}
-    if bad:
-        raise ValueError(f"sizes must be >= 1, got {bad}")
-    s, b, h, a = seq_len, batch_size, hidden, n_heads
-    per_layer = s * b * h * (34 + (5 * a * s / h if attention_scores else 0))
-    if recompute:
-        return float(n_layers * 2 * s * b * h + per_layer)
-    return float(n_layers * per_layer)
 
 
 @dataclass(frozen=True)

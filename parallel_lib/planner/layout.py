@@ -16,9 +16,8 @@ the embedding). Every number comes from code a chapter verified, not from a new 
   the dry run :mod:`parallel_lib.planner.dry_run` measures with FSDP2 and DTensor); under ZeRO-3 also the working set
   :func:`~parallel_lib.cost.zero.zero3_working_set`, what the rank gathers while it computes (the
   embeddings and head, a block, the prefetched next block, and their whole gradients);
-- activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
-  sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
-  (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
+- activations: :func:`parallel_lib.cost.activation.activation_bytes` (chapter 03's formula with chapter 07's
+  tensor and sequence parallelism and full recomputation), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
 - time: compute from the calibration (:mod:`parallel_lib.planner.calibrate`) and
   :func:`~parallel_lib.tensor_parallel.cost.training_flops` (recomputation: the blocks' forward once
   more); tensor-parallel collectives from :func:`~parallel_lib.tensor_parallel.cost.step_collectives`
@@ -63,7 +62,7 @@ from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.context_parallel.cost import GRAD_ITEMSIZE, cp_wire_bytes, ring_step_flops
 from parallel_lib.cost.alpha_beta import ring_wire_bytes, wire_bytes
 from parallel_lib.cost.zero import fsdp_shard_numel, zero3_working_set, zero_collectives, zero_memory
-from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
+from parallel_lib.model_parallel.memory import DTYPE_BYTES
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
 from parallel_lib.common.timeline import Event
 from parallel_lib.pipeline_parallel.microbatch import stage_blocks
@@ -72,7 +71,8 @@ from parallel_lib.pipeline_parallel.simulator import bubbles, peak_in_flight, re
 from parallel_lib.planner.calibrate import AlphaBeta, Calibration
 from parallel_lib.planner.hardware import group_span
 from parallel_lib.cost.shape import GPTShape
-from parallel_lib.tensor_parallel.cost import activation_bytes, shard_parameters, step_collectives
+from parallel_lib.cost.activation import activation_bytes
+from parallel_lib.tensor_parallel.cost import shard_parameters, step_collectives
 
 __all__ = ["Layout", "StepCost", "Priced", "rank_parameters", "stage_parameter_shapes", "state_memory",
            "dp_collectives", "p2p_bytes", "MemoryCost", "price_memory", "cp_seconds", "exposed_seconds", "price",
@@ -450,10 +450,8 @@ def price_memory(layout: Layout, shape: GPTShape, global_batch: int, seq_len: in
     busiest = max(range(L.pp), key=lambda s: states[s] + working[s])
     # activations of one micro-batch on the busiest stage (the 16-bit formulas, scaled to the dtype)
     stage_shape = replace(shape, n_layer=max(blocks))
-    if L.recompute:
-        acts = activation_memory(mb, seq_len, shape.n_embd, shape.n_head, max(blocks), attention_scores, True) / L.tp
-    else:
-        acts = activation_bytes(mb, seq_len, stage_shape, L.tp, L.sequence_parallel, attention_scores)
+    acts = activation_bytes(mb, seq_len, stage_shape, L.tp, L.sequence_parallel, attention_scores,
+                            recompute=L.recompute)
     acts *= width / 2
     in_flight = _in_flight(L.schedule, L.pp, L.micro_batches, L.virtual) if L.pp > 1 else 1.0
     return MemoryCost(busiest, params[busiest], states[busiest], working[busiest], acts * in_flight, in_flight)
