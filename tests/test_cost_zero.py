@@ -24,7 +24,7 @@ from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
 from parallel_lib.planner.layout import Layout, dp_collectives, rank_parameters
 from parallel_lib.planner.sharded_tensor import zero_option
 from parallel_lib.runtime import launch
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 from parallel_lib.training import Plan, RunConfig, train_many
 
 M = 4  # micro-batches per replica and step

@@ -26,7 +26,8 @@ from parallel_lib.planner.published import RUNS
 from parallel_lib.planner.search import plan_layouts
 from parallel_lib.cost.alpha_beta import ring_wire_bytes
 from parallel_lib.sharding.memory import zero_memory
-from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, training_flops
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import activation_bytes, shard_parameters, training_flops
 
 MODEL = build_gpt2("tiny", vocab_size=512, seed=0, n_positions=64)
 SHAPE = GPTShape.of(MODEL.config)

@@ -19,7 +19,7 @@ from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSp
 from parallel_lib.planner.hardware import Links, group_span, published_calibration
 from parallel_lib.planner.layout import Layout, StepCost, exposed_seconds, price
 from parallel_lib.planner.strategy import plan
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 MODEL = build_gpt2("tiny", vocab_size=512, seed=0, n_positions=64)
 SHAPE = GPTShape.of(MODEL.config)  # 4 blocks, width 64

@@ -11,7 +11,8 @@ from parallel_lib.inference.cost_model import (GPUS, Hardware, Workload, calibra
 from parallel_lib.inference.serving_memory import (decoder_shape, kv_cache_bytes, kv_heads_per_rank,
                                                    max_concurrent_requests, serving_memory, weights_per_device)
 from parallel_lib.model_parallel import MODEL_SHAPES, GiB
-from parallel_lib.tensor_parallel.cost import GPTShape, shard_parameters
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import shard_parameters
 
 LLAMA_7B = MODEL_SHAPES["llama-2-7b"].n_params  # 6,738,415,616
 

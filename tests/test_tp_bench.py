@@ -39,7 +39,7 @@ def test_bad_config_is_rejected():
 
 def test_counting_stays_out_of_the_timed_steps(one_rank_group, monkeypatch):
     # the counter's dispatch mode sees every operator (milliseconds of Python per step): one extra step, untimed
-    entered = {"count_collectives": 0, "saved_activation_bytes": 0}
+    entered = {"count_collectives": 0, "SavedTensors": 0}
 
     @contextmanager
     def counting(*args, **kwargs):
@@ -47,17 +47,17 @@ def test_counting_stays_out_of_the_timed_steps(one_rank_group, monkeypatch):
         with count_collectives() as counter:
             yield counter
 
-    real_saved = _tp_runs.saved_activation_bytes
+    real_saved = _tp_runs.SavedTensors
 
-    def saved(*args):
-        entered["saved_activation_bytes"] += 1
-        return real_saved(*args)
+    def saved(*args, **kwargs):
+        entered["SavedTensors"] += 1
+        return real_saved(*args, **kwargs)
 
     monkeypatch.setattr(_tp_runs, "count_collectives", counting)
-    monkeypatch.setattr(_tp_runs, "saved_activation_bytes", saved)
+    monkeypatch.setattr(_tp_runs, "SavedTensors", saved)
     out = timed_steps(0, 1, "course", "tiny", 64, {}, 2, 8, 4, 1)
     run = out[0] if isinstance(out, tuple) else out
-    assert entered == {"count_collectives": 1, "saved_activation_bytes": 1}  # not once per timed step
+    assert entered == {"count_collectives": 1, "SavedTensors": 1}  # not once per timed step
     assert run.activation_bytes > 0 and run.step_seconds > 0
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from parallel_lib.common.models import build_gpt2
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.data_parallel.ring import fit_allreduce_cost
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.runtime.compat import collective_name
-from parallel_lib.tensor_parallel.batches import saved_activation_bytes
 from parallel_lib.tensor_parallel.convert import tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 
@@ -118,21 +118,22 @@ class _Trainer:
         self.labels = torch.randint(0, vocab, (batch, seq), generator=g)
         self.weights = torch.ones(batch, seq)
 
-    def step(self, forward: Callable[..., Any] = lambda fn, *args: fn(*args)) -> Any:
+    def step(self, saved: Optional[SavedTensors] = None) -> None:
+        """One training step; ``saved`` (a :class:`SavedTensors`) sees the forward's saved tensors."""
         self.optimizer.zero_grad(set_to_none=True)
-        out = forward(self.model, self.ids, None)
-        logits = out[0] if isinstance(out, tuple) else out
+        with saved if saved is not None else nullcontext():
+            logits = self.model(self.ids, None)
         loss = self.model.loss(logits, self.labels, self.weights)  # the head's: vocabulary-parallel or whole
         loss.backward()
         sync_sequence_parallel_grads(self.model)
         self.optimizer.step()
-        return out
 
     def counted(self) -> tuple[int, float]:
         """``(activation bytes saved by one forward, bytes sent)`` of one (untimed) step."""
+        saved = SavedTensors(self.model)
         with count_collectives() as counter:
-            _, saved = self.step(saved_activation_bytes)
-        return saved, counter.wire_bytes()
+            self.step(saved)
+        return saved.nbytes, counter.wire_bytes()
 
     def parameter_bytes(self) -> int:
         return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.model.parameters()) * 4

@@ -31,7 +31,7 @@ from parallel_lib.planner.model_step import PROBE_BATCH, step_key, time_step
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 from parallel_lib.tensor_parallel.batches import TPConfig
 from parallel_lib.training import Plan, RunConfig, tp_layout, train, zero_plan
 from parallel_lib.training.traffic import dp_groups

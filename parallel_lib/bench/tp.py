@@ -38,8 +38,9 @@ from parallel_lib.cost.alpha_beta import hops, ring_wire_bytes
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
-from parallel_lib.tensor_parallel.cost import (NVLINK_H100, GPTShape, collective_seconds, crossover_width,
-                                                step_collectives, step_seconds, training_flops)
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import (NVLINK_H100, collective_seconds, crossover_width, step_collectives,
+                                                step_seconds, training_flops)
 
 __all__ = ["Config", "QUICK", "SWEEP", "Results", "in_step_latency", "measure", "sweep_series", "markdown", "main"]
 

@@ -60,13 +60,15 @@ from parallel_lib.context_parallel.cost import GRAD_ITEMSIZE, cp_wire_bytes, rin
 from parallel_lib.cost.zero import fsdp_shard_numel, zero3_working_set, zero_collectives, zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
 from parallel_lib.pipeline_parallel.schedule import make_schedule
 from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
 from parallel_lib.planner.calibrate import AlphaBeta, Calibration
 from parallel_lib.planner.hardware import group_span
-from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import activation_bytes, shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "stage_parameter_shapes",
+__all__ = ["Layout", "StepCost", "Priced", "rank_parameters", "stage_parameter_shapes",
            "state_memory", "dp_collectives", "cp_seconds", "exposed_seconds", "price", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
@@ -156,13 +158,6 @@ class StepCost:
         check_number("optimizer", self.optimizer, 0.0, hint="seconds of one optimizer step")
 
 
-def stage_blocks(n_layer: int, pp: int) -> list[int]:
-    """Blocks per stage, the first stages one more when ``pp`` does not divide (``split_layers``'s rule)."""
-    if pp > n_layer:
-        raise ValueError(f"pp={pp} stages need at least {pp} blocks, the model has n_layer={n_layer}")
-    return [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
-
-
 def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
     """(one block's, the first stage's extra, the last stage's extra) parameters on a tp rank (one stage: both)."""
     shard_parameters(shape, tp)  # checks that tp divides the heads and the vocabulary
@@ -173,8 +168,7 @@ def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
 def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
     """Parameters each pipeline stage's rank holds; with a tied head the last stage keeps its own copy of it."""
     block, embedding, last = _block_and_rest(shape, tp)
-    blocks = stage_blocks(shape.n_layer, pp)
-    out = [b * block for b in blocks]
+    out = [len(b) * block for b in stage_blocks(shape.n_layer, pp)]
     out[0] += embedding
     out[-1] += last + (shape.vocab_size * shape.n_embd // tp if pp > 1 and shape.tied_head else 0)
     return out
@@ -187,7 +181,7 @@ def stage_parameter_shapes(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[li
         ValueError: ``tp`` does not divide the heads, key/value heads or vocabulary; ``pp`` above the blocks.
     """
     outer, block = shape.outer_shapes(tp), shape.block_shapes(tp)
-    stages = [block * b for b in stage_blocks(shape.n_layer, pp)]
+    stages = [block * len(b) for b in stage_blocks(shape.n_layer, pp)]
     stages[0] = outer["embedding"] + stages[0]
     tied_copy = outer["embedding"][:1] if pp > 1 and shape.tied_head else []
     stages[-1] = stages[-1] + outer["final_norm"] + outer["head"] + tied_copy
@@ -381,7 +375,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
                          f"micro_batches={L.micro_batches} equal micro-batches")
     mb = rows // L.micro_batches
     params = rank_parameters(shape, L.tp, L.pp)
-    blocks = stage_blocks(shape.n_layer, L.pp)
+    blocks = [len(b) for b in stage_blocks(shape.n_layer, L.pp)]  # the stages the runtime builds
     states = [state["total"] for state in state_memory(shape, L)]
     working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
     if L.zero == 3 and L.replicas > 1:

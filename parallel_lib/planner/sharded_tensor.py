@@ -26,7 +26,8 @@ from parallel_lib.model_parallel.memory import (DTYPE_BYTES, OPTIMIZER_STATES, G
 from parallel_lib.planner.hardware import Links
 from parallel_lib.planner.option import Option, ring_bytes
 from parallel_lib.cost.zero import zero3_working_set, zero_memory, zero_passes, zero_traffic
-from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import activation_bytes
 
 __all__ = ["zero_option", "tensor_parallel_option", "GPUS_PER_NODE"]
 
