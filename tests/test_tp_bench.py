@@ -74,7 +74,8 @@ def test_timed_collectives_record_what_the_counter_counts(one_rank_group):
 
 def test_in_step_latency_from_calls():
     # 1 GB/s, 2 ranks: a ring all-reduce of S sends S bytes in 2 ring steps; the rest of the call is latency
-    runs = [Run(1.0, 0, 0, 0.0, collectives=(("all_reduce", 1_000_000, 0.0, 0.003), ("all_reduce", 1_000, 0.0, 0.000401))),
+    runs = [Run(1.0, 0, 0, 0.0, collectives=(("all_reduce", 1_000_000, 0.0, 0.003),
+                                             ("all_reduce", 1_000, 0.0, 0.000401))),
             Run(1.0, 0, 0, 0.0, collectives=(("all_reduce", 2_000_000, 0.0, 0.006), ("all_gather", 10, 0.0, 9.0)))]
     assert in_step_latency(runs, 2, 1e9) == pytest.approx(0.001)  # median of 1 ms, 0.2 ms, 2 ms
     assert in_step_latency([Run(1.0, 0, 0, 0.0)], 2, 1e9) is None

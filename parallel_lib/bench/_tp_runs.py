@@ -189,7 +189,8 @@ def timed_steps(rank: int, world_size: int, impl: str, name: str, vocab: int, ov
         calls.append(step_calls)
     waits, transfers = _waits(calls[warmup:], None)
     per_call = [statistics.median(t) for t in zip(*transfers)] if transfers and transfers[0] else []
-    in_call = [statistics.median(t) for t in zip(*[[end - start for _, _, start, end in step] for step in calls[warmup:]])]
+    durations = [[end - start for _, _, start, end in step] for step in calls[warmup:]]
+    in_call = [statistics.median(t) for t in zip(*durations)]
     kinds = [(kind, nbytes) for kind, nbytes, _, _ in calls[-1]]
     activations, wire = split.counted()
     run = Run(_slowest(statistics.median(walls[warmup:])), split.parameter_bytes(), activations, wire,
@@ -233,7 +234,8 @@ def allreduce_fit(rank: int, world_size: int, sizes: tuple[int, ...] = (1 << 10,
 
 
 def measure_all(rank: int, world_size: int, jobs: list[tuple[str, str, int, dict[str, Any], int, int, bool]],
-                batch: int, seq: int, fit: bool) -> tuple[list[tuple[Run, Optional[Run]]], Optional[tuple[float, float]]]:
+                batch: int, seq: int, fit: bool
+                ) -> tuple[list[tuple[Run, Optional[Run]]], Optional[tuple[float, float]]]:
     """Every ``(impl, model, vocab, overrides, steps, warmup, paired)`` job in turn in this launch, and (``fit``)
     the all-reduce fit; each job gives ``(split run, dense run or None)`` (:func:`timed_steps`)."""
     fitted = allreduce_fit(rank, world_size) if fit else None

@@ -139,7 +139,8 @@ def measure(config: Config = Config()) -> Results:
     in_step: list[Run] = []
     for tp in [t for t in (2, 4) if t <= c.max_tp]:
         keys = [(name, tp, impl) for name in c.models for impl in IMPLEMENTATIONS]
-        jobs = [(impl, name, c.vocab_size, {}, c.steps, c.warmup, tp == 2 and impl == "course") for name, _, impl in keys]
+        jobs = [(impl, name, c.vocab_size, {}, c.steps, c.warmup, tp == 2 and impl == "course")
+                for name, _, impl in keys]
         widths = list(c.sweep_widths) if tp == 2 else []
         jobs += [("course", "tiny", c.sweep_vocab, _sweep_overrides(w, c), c.sweep_steps, c.sweep_warmup, True)
                  for w in widths]
@@ -184,14 +185,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f}"
 
 
-def _where_time_goes(results: Results, label: str, shape: GPTShape, run: Run, sp: bool) -> list[str]:
-    """One row: a split step's wall time, CPU time, wait for the other rank, transfer; the collectives predicted."""
+def _where_time_goes(results: Results, label: str, shape: GPTShape, run: Run, sp: bool, tp: int) -> list[str]:
+    """One row: a step's wall time, CPU time, wait for the other rank, transfer; the collectives predicted."""
     c, (bw, lat) = results.config, results.alpha_beta()
-    collectives = step_collectives(shape, c.batch_size, c.seq_len, 2, sp)
+    collectives = step_collectives(shape, c.batch_size, c.seq_len, tp, sp)
     off = max(0.0, run.step_seconds - run.cpu_seconds - run.wait_seconds - run.transfer_seconds)
     return [label, _ms(run.step_seconds), _ms(run.cpu_seconds), _ms(run.wait_seconds), _ms(run.transfer_seconds),
-            _ms(off), str(len(run.collectives)), _ms(collective_seconds(collectives, 2, results.bandwidth, results.latency)),
-            _ms(collective_seconds(collectives, 2, bw, lat))]
+            _ms(off), str(len(run.collectives)),
+            _ms(collective_seconds(collectives, tp, results.bandwidth, results.latency)),
+            _ms(collective_seconds(collectives, tp, bw, lat))]
 
 
 def markdown(results: Results) -> str:
@@ -220,23 +222,27 @@ def markdown(results: Results) -> str:
                f"{counts} intra-op threads" if counts else "one intra-op thread")
     out = [f"Tensor parallelism on {results.machine}{load}: batch {c.batch_size} x {c.seq_len} tokens, AdamW, fp32, "
            f"median of {c.steps - c.warmup} steps ({c.sweep_steps - c.sweep_warmup} in the sweep), tp = 1 stepped "
-           f"beside tp = 2 in one launch, {threads} per rank (torch.get_num_threads(), read in every rank); gloo all-reduce fitted alone to bandwidth {results.bandwidth / 1e9:.2f} GB/s, "
+           f"beside tp = 2 in one launch, {threads} per rank (torch.get_num_threads(), read in every rank); "
+           f"gloo all-reduce fitted alone to bandwidth {results.bandwidth / 1e9:.2f} GB/s, "
            f"latency {results.latency * 1e6:.0f} µs per ring step{in_step}", "",
            markdown_table(["model", "tp", "implementation", "step ms", "tokens/s", "predicted ms (α–β)",
                            "params MB/rank", "activations MB/rank", "sent MB/step/rank"], rows)]
-    profile = [_where_time_goes(results, f"{name} {impl}", _shape(name, c.vocab_size), run, impl == "course+SP")
-               for (name, tp, impl), run in results.runs.items() if tp == 2 and impl != "DTensor"]
+    profile = [_where_time_goes(results, f"{name} {impl if tp > 1 else 'dense (tp = 1)'}", _shape(name, c.vocab_size),
+                                run, impl == "course+SP", tp)
+               for (name, tp, impl), run in results.runs.items() if tp <= 2 and impl != "DTensor" and run.cpu_seconds]
     widths = sorted({w for w, _ in results.sweep})
     shape_of = {w: _shape("tiny", c.sweep_vocab, **_sweep_overrides(w, c)) for w in widths}
-    profile += [_where_time_goes(results, f"width {w}", shape_of[w], results.sweep_runs[(w, 2)], False)
-                for w in widths if (w, 2) in results.sweep_runs]
+    profile += [_where_time_goes(results, f"width {w}{', dense (tp = 1)' if tp == 1 else ''}", shape_of[w],
+                                 results.sweep_runs[(w, tp)], False, tp)
+                for w in widths for tp in (1, 2) if (w, tp) in results.sweep_runs]
     if profile:
-        out += ["", "Where a tp = 2 step's time goes (ms per step; CPU is the process's, the slowest rank's; the "
+        out += ["", "Where a step's time goes (ms per step; CPU is the process's, the slowest rank's; the "
                 "collectives' time split into waiting for the other rank to arrive and the transfer after it did; the "
                 "rest is time the rank was neither computing nor in a collective: another process had its core). "
                 "The last two columns are the α–β model's collectives for the step:", "",
                 markdown_table(["run", "step", "CPU", "waiting for the other rank", "collectives after both arrived",
-                                "rest: off a core", "calls", "α–β fitted alone", "α–β, latency in the step"], profile)]
+                                "rest: off a core", "calls", "α–β fitted alone", "α–β, latency in the step"],
+                               profile)]
     if widths:
         rate = _rate(results, shape_of[widths[-1]], results.sweep[(widths[-1], 1)])
         sweep_rows, measured = [], None
@@ -259,7 +265,8 @@ def markdown(results: Results) -> str:
                 f"time per step over one tp = 2 rank's (2× if the split divided all the work)", "",
                 markdown_table(["width", "tp=1 ms", "tp=2 ms", "speed-up", "tp=1 CPU ms", "tp=2 CPU ms/rank",
                                 "CPU speed-up",
-                                "predicted speed-up (α–β fitted alone)", "predicted speed-up (α–β, latency in the step)"],
+                                "predicted speed-up (α–β fitted alone)",
+                                "predicted speed-up (α–β, latency in the step)"],
                                sweep_rows), "",
                 f"- measured: tp = 2 first beats tp = 1 at width {measured if measured else 'none of those measured'}",
                 f"- predicted (α–β, this machine): from width {predicted if predicted else '> 8192'}",
