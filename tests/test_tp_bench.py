@@ -13,7 +13,7 @@ from parallel_lib.bench import _tp_runs
 from parallel_lib.bench import tp as tp_bench
 from parallel_lib.bench.__main__ import main as bench_dispatch
 from parallel_lib.bench._tp_runs import Run, timed_collectives, timed_steps
-from parallel_lib.bench.tp import QUICK, Results, in_step_latency, markdown, measure
+from parallel_lib.bench.tp import QUICK, Results, in_step_fit, markdown, measure
 from parallel_lib.runtime import count_collectives, machine_label
 from parallel_lib.runtime.compat import all_gather_single
 
@@ -72,13 +72,18 @@ def test_timed_collectives_record_what_the_counter_counts(one_rank_group):
     assert dist.all_reduce is before  # put back
 
 
-def test_in_step_latency_from_calls():
-    # 1 GB/s, 2 ranks: a ring all-reduce of S sends S bytes in 2 ring steps; the rest of the call is latency
-    runs = [Run(1.0, 0, 0, 0.0, collectives=(("all_reduce", 1_000_000, 0.0, 0.003),
-                                             ("all_reduce", 1_000, 0.0, 0.000401))),
-            Run(1.0, 0, 0, 0.0, collectives=(("all_reduce", 2_000_000, 0.0, 0.006), ("all_gather", 10, 0.0, 9.0)))]
-    assert in_step_latency(runs, 2, 1e9) == pytest.approx(0.001)  # median of 1 ms, 0.2 ms, 2 ms
-    assert in_step_latency([Run(1.0, 0, 0, 0.0)], 2, 1e9) is None
+def test_in_step_fit_from_calls():
+    # 2 ranks: a ring all-reduce of S bytes sends S bytes in 2 ring steps; calls at exactly 1 GB/s and 0.5 ms a step
+    calls = (("all_reduce", 1_000_000, 0.0, 0.002), ("all_reduce", 1_000, 0.0, 0.001001),
+             ("all_gather", 10, 0.0, 9.0))  # not an all-reduce: left out
+    bandwidth, latency = in_step_fit([Run(1.0, 0, 0, 0.0, collectives=calls),
+                                      Run(1.0, 0, 0, 0.0, collectives=(("all_reduce", 2_000_000, 0.0, 0.003),))], 2, 5e9)
+    assert bandwidth == pytest.approx(1e9) and latency == pytest.approx(0.0005)
+    # one size only: the bandwidth fitted alone is kept, α the median of what is left per ring step
+    one_size = (("all_reduce", 1_000_000, 0.0, 0.003), ("all_reduce", 1_000_000, 0.0, 0.005),
+                ("all_reduce", 1_000_000, 0.0, 0.009))
+    assert in_step_fit([Run(1.0, 0, 0, 0.0, collectives=one_size)], 2, 1e9) == pytest.approx((1e9, 0.002))
+    assert in_step_fit([Run(1.0, 0, 0, 0.0)], 2, 1e9) is None
 
 
 def test_quick_run_through_the_bench_command(capsys, monkeypatch):

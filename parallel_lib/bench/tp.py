@@ -32,17 +32,19 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import torch
+
 from parallel_lib.bench._tp_runs import IMPLEMENTATIONS, Run, measure_all
 from parallel_lib.common.models import gpt2_config
-from parallel_lib.cost.alpha_beta import hops, ring_wire_bytes
 from parallel_lib.common.tables import markdown_table
+from parallel_lib.cost.alpha_beta import hops, ring_wire_bytes
+from parallel_lib.cost.shape import GPTShape
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
-from parallel_lib.cost.shape import GPTShape
 from parallel_lib.tensor_parallel.cost import (NVLINK_H100, collective_seconds, crossover_width, step_collectives,
                                                 step_seconds, training_flops)
 
-__all__ = ["Config", "QUICK", "SWEEP", "Results", "in_step_latency", "measure", "sweep_series", "markdown", "main"]
+__all__ = ["Config", "QUICK", "SWEEP", "Results", "in_step_fit", "measure", "sweep_series", "markdown", "main"]
 
 H100_FLOPS = 400e12  # bf16, about 40% of the datasheet's 989 TFLOP/s dense: a typical achieved rate (assumption)
 
@@ -79,9 +81,8 @@ SWEEP = Config(models=(), batch_size=2, seq_len=64, sweep_widths=(64, 128, 256, 
 class Results:
     """Measured runs keyed by (model, tp, implementation), the sweep, and the fitted constants.
 
-    ``bandwidth``/``latency`` are fitted to an all-reduce repeated alone; ``step_latency`` is the latency
-    per ring step of the all-reduces inside the split steps with that bandwidth (:func:`in_step_latency`),
-    ``step_bandwidth`` the bandwidth it goes with (0: not measured, the isolated fit is used).
+    ``bandwidth``/``latency`` are fitted to an all-reduce repeated alone, ``step_bandwidth``/``step_latency``
+    to the all-reduces inside the split steps (:func:`in_step_fit`; 0: not measured, the isolated fit is used).
     """
 
     config: Config
@@ -108,16 +109,26 @@ def _sweep_overrides(width: int, c: Config) -> dict[str, Any]:
     return dict(n_embd=width, n_head=max(2, width // 64), n_layer=c.sweep_layers)
 
 
-def in_step_latency(runs: list[Run], tp: int, bandwidth: float) -> Optional[float]:
-    """The latency per ring step of the all-reduces inside ``runs``' steps, with ``bandwidth`` fitted alone.
+def in_step_fit(runs: list[Run], tp: int, bandwidth: float) -> Optional[tuple[float, float]]:
+    """``(bandwidth, latency)`` of the all-reduces inside ``runs``' steps: least squares of ``hops·α + wire/β``.
 
-    Each all-reduce's time in the call (the wait for the other ranks included: a step pays it) less its
-    bytes over ``bandwidth``, over its ``2(t - 1)`` ring steps; the median over every call. None when
-    the runs timed no all-reduce.
+    Each all-reduce's time in the call, the wait for the other ranks included (a step pays it). When the
+    calls hold fewer than two sizes, or their times do not grow with size, ``bandwidth`` (fitted alone)
+    is kept and α is the median of each call's time less its bytes over it. None when ``runs`` timed no
+    all-reduce.
     """
-    spare = [(in_call - ring_wire_bytes("all_reduce", nbytes, tp) / bandwidth) / hops("all_reduce", tp)
-             for run in runs for kind, nbytes, _, in_call in run.collectives if kind == "all_reduce"]
-    return max(0.0, statistics.median(spare)) if spare and bandwidth > 0 else None
+    calls = [(ring_wire_bytes("all_reduce", nbytes, tp), in_call) for run in runs
+             for kind, nbytes, _, in_call in run.collectives if kind == "all_reduce"]
+    if not calls or bandwidth <= 0:
+        return None
+    steps = hops("all_reduce", tp)
+    if len({wire for wire, _ in calls}) >= 2:
+        design = torch.tensor([[wire, float(steps)] for wire, _ in calls], dtype=torch.float64)
+        seconds = torch.tensor([[t] for _, t in calls], dtype=torch.float64)
+        slope, alpha = torch.linalg.lstsq(design, seconds).solution[:, 0].tolist()
+        if slope > 1e-13 and alpha >= 0:
+            return 1.0 / slope, alpha
+    return bandwidth, max(0.0, statistics.median((t - wire / bandwidth) / steps for wire, t in calls))
 
 
 def measure(config: Config = Config()) -> Results:
@@ -156,10 +167,11 @@ def measure(config: Config = Config()) -> Results:
         for w, (run, dense) in zip(widths, measured[len(keys):]):
             sweep_runs[(w, 2)], sweep_runs[(w, 1)] = run, dense
             in_step.append(run)
-    latency = in_step_latency(in_step, 2, fitted[0])
+    # the sweep's own calls for the sweep (a short step is preempted less), else the models'
+    fit = in_step_fit([r for (_, tp), r in sweep_runs.items() if tp == 2] or in_step, 2, fitted[0])
     runs = dict(sorted(runs.items(), key=lambda kv: (kv[0][1] > 1, kv[0][1])))  # the dense rows first
     return Results(c, machine_label(), fitted[0], fitted[1], runs, {k: r.step_seconds for k, r in sweep_runs.items()},
-                   sweep_runs, fitted[0] if latency is not None else 0.0, latency or 0.0,
+                   sweep_runs, *(fit or (0.0, 0.0)),
                    (load_before, os.getloadavg()[0]))
 
 
@@ -212,9 +224,9 @@ def markdown(results: Results) -> str:
         rows.append([name, tp, impl if tp > 1 else "1 rank (dense)", f"{run.step_seconds * 1e3:,.0f}",
                      f"{tokens / run.step_seconds:,.0f}", f"{predicted * 1e3:,.0f}", f"{run.parameter_bytes / 1e6:,.1f}",
                      f"{run.activation_bytes / 1e6:,.1f}", sent])
-    in_step = (f"; inside the split steps an all-reduce took {results.step_latency * 1e6:,.0f} µs per ring step "
-               f"(waiting for the other rank included) beyond its bytes over that bandwidth: the predictions use "
-               f"this latency") if results.step_bandwidth else ""
+    in_step = (f"; fitted to the all-reduces inside the sweep's split steps (waiting for the other rank "
+               f"included): {results.step_bandwidth / 1e9:.2f} GB/s, {results.step_latency * 1e6:,.0f} µs per ring "
+               f"step, which the predictions use") if results.step_bandwidth else ""
     load = (f", load average {results.load[0]:.1f} before and {results.load[1]:.1f} after"
             if any(results.load) else "")
     counts = sorted({r.threads for r in [*results.runs.values(), *results.sweep_runs.values()] if r.threads})
