@@ -202,8 +202,9 @@ def _where_time_goes(results: Results, label: str, shape: GPTShape, run: Run, sp
     c, (bw, lat) = results.config, results.alpha_beta()
     collectives = step_collectives(shape, c.batch_size, c.seq_len, tp, sp)
     off = max(0.0, run.step_seconds - run.cpu_seconds - run.wait_seconds - run.transfer_seconds)
-    return [label, _ms(run.step_seconds), _ms(run.cpu_seconds), _ms(run.wait_seconds), _ms(run.transfer_seconds),
-            _ms(off), str(len(run.collectives)),
+    timed = [_ms(run.wait_seconds), _ms(run.transfer_seconds), _ms(off), str(len(run.collectives))] \
+        if run.collectives or tp == 1 else ["not timed"] * 4  # DTensor's functional collectives
+    return [label, _ms(run.step_seconds), _ms(run.cpu_seconds), *timed,
             _ms(collective_seconds(collectives, tp, results.bandwidth, results.latency)),
             _ms(collective_seconds(collectives, tp, bw, lat))]
 
@@ -241,7 +242,7 @@ def markdown(results: Results) -> str:
                            "params MB/rank", "activations MB/rank", "sent MB/step/rank"], rows)]
     profile = [_where_time_goes(results, f"{name} {impl if tp > 1 else 'dense (tp = 1)'}", _shape(name, c.vocab_size),
                                 run, impl == "course+SP", tp)
-               for (name, tp, impl), run in results.runs.items() if tp <= 2 and impl != "DTensor" and run.cpu_seconds]
+               for (name, tp, impl), run in results.runs.items() if tp <= 2 and run.cpu_seconds]
     widths = sorted({w for w, _ in results.sweep})
     shape_of = {w: _shape("tiny", c.sweep_vocab, **_sweep_overrides(w, c)) for w in widths}
     profile += [_where_time_goes(results, f"width {w}{', dense (tp = 1)' if tp == 1 else ''}", shape_of[w],
