@@ -249,7 +249,8 @@ def markdown(results: Results) -> str:
                                  results.sweep_runs[(w, tp)], False, tp)
                 for w in widths for tp in (1, 2) if (w, tp) in results.sweep_runs]
     if profile:
-        out += ["", "Where a step's time goes (ms per step; CPU is the process's, the slowest rank's; the "
+        out += ["", "Where a step's time goes (ms per step; CPU is the process's, gloo's threads included, so the "
+                "parts can add up to more than the step; the slowest rank's; the "
                 "collectives' time split into waiting for the other rank to arrive and the transfer after it did; the "
                 "rest is time the rank was neither computing nor in a collective: another process had its core). "
                 "The last two columns are the α–β model's collectives for the step:", "",
