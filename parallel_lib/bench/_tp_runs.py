@@ -68,8 +68,8 @@ class Run:
 def timed_collectives() -> Iterator[list[tuple[str, int, float, float]]]:
     """Record ``(kind, message bytes, entry, exit)`` of every all-reduce, all-gather and reduce-scatter in the block.
 
-    Times are ``time.perf_counter`` (the system-wide monotonic clock on Linux, so entries of ranks on one
-    host compare). Only calls through ``torch.distributed``'s module attributes are seen (the course's
+    Yields the list the calls are appended to. Times are ``time.perf_counter`` (the system-wide
+    monotonic clock on Linux, so entries of ranks on one host compare); the functions are put back on exit. Only calls through ``torch.distributed``'s module attributes are seen (the course's
     :mod:`~parallel_lib.tensor_parallel.regions` calls them so); DTensor's functional collectives are not.
     """
     calls: list[tuple[str, int, float, float]] = []
@@ -164,9 +164,18 @@ def timed_steps(rank: int, world_size: int, impl: str, name: str, vocab: int, ov
                 batch: int, seq: int, steps: int, warmup: int, paired: bool = False) -> tuple[Run, Optional[Run]]:
     """Train ``steps`` AdamW steps of the ``impl`` split on random tokens; time, count and measure them.
 
-    ``paired``: rank 0 also trains the dense model (tp = 1), one dense step before every split step,
-    while the other ranks wait in a barrier; returns ``(split run, dense run)`` (the dense run None
-    unless ``paired``). Times are medians after ``warmup`` steps, the slowest rank's.
+    Args:
+        rank, world_size: this rank, and the ranks the split runs over (the launch's).
+        impl: one of :data:`IMPLEMENTATIONS`.
+        name, vocab, overrides: the GPT-2 (:func:`~parallel_lib.common.models.build_gpt2`).
+        batch, seq: the random batch's shape.
+        steps, warmup: steps run, and how many of the first are left out of the medians.
+        paired: rank 0 also trains the dense model (tp = 1), one dense step before every split step,
+            while the other ranks wait in a barrier.
+
+    Returns:
+        ``(split run, dense run or None)``: wall and CPU times are medians after ``warmup``, the
+        slowest rank's; activations and traffic come from one more step, counted and untimed.
     """
     split = _Trainer(impl, name, vocab, overrides, batch, seq)
     alone = dist.new_group([0]) if paired and world_size > 1 else None  # a group of one: the dense model
@@ -236,8 +245,12 @@ def allreduce_fit(rank: int, world_size: int, sizes: tuple[int, ...] = (1 << 10,
 def measure_all(rank: int, world_size: int, jobs: list[tuple[str, str, int, dict[str, Any], int, int, bool]],
                 batch: int, seq: int, fit: bool
                 ) -> tuple[list[tuple[Run, Optional[Run]]], Optional[tuple[float, float]]]:
-    """Every ``(impl, model, vocab, overrides, steps, warmup, paired)`` job in turn in this launch, and (``fit``)
-    the all-reduce fit; each job gives ``(split run, dense run or None)`` (:func:`timed_steps`)."""
+    """Every ``(impl, model, vocab, overrides, steps, warmup, paired)`` job in turn in this launch.
+
+    Returns:
+        ``(runs, fit)``: each job's ``(split run, dense run or None)`` (:func:`timed_steps`), and with
+        ``fit`` the ``(bandwidth, latency)`` of :func:`allreduce_fit` (else None).
+    """
     fitted = allreduce_fit(rank, world_size) if fit else None
     runs = []
     for impl, name, vocab, overrides, steps, warmup, paired in jobs:
