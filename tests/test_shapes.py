@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from parallel_lib.planner.dry_run import meta_model
 from parallel_lib.planner.layout import rank_parameters
 from parallel_lib.planner.published import LLAMA3
 from parallel_lib.cost.shape import GPTShape, shape_of
@@ -38,12 +39,7 @@ def test_gpt2_sizes_are_exact(n_layer, n_embd, n_head, published):
                                              ("405B", 405_853_388_800)])
 def test_llama3_sizes_are_exact(name, published):
     shape = LLAMA3[name]
-    config = LlamaConfig(hidden_size=shape.n_embd, intermediate_size=shape.ffn_hidden,
-                         num_hidden_layers=shape.n_layer, num_attention_heads=shape.n_head,
-                         num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab_size,
-                         max_position_embeddings=shape.n_positions, tie_word_embeddings=False)
-    with torch.device("meta"):
-        counted = _count(LlamaForCausalLM(config))
+    counted = _count(meta_model(shape))  # Hugging Face's LlamaForCausalLM on the meta device
     assert counted == shard_parameters(shape, 1) == sum(rank_parameters(shape)) == published
     assert {"8B": round(published / 1e9, 2) == 8.03, "70B": round(published / 1e9, 1) == 70.6,
             "405B": round(published / 1e9) == 406}[name]  # the model cards' figures
@@ -73,17 +69,7 @@ def test_the_flops_formula_is_narayanans_for_gpt_and_counts_swiglu_and_gqa_for_l
 def test_the_registry_counts_each_published_checkpoint(name, published):
     """Parameter counts as the Hugging Face checkpoints hold them (LLaMA-2: Touvron et al. 2023, table 1)."""
     shape = shape_of(name)
-    if shape.tied_head:
-        config = GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head)
-        with torch.device("meta"):
-            counted = _count(GPT2LMHeadModel(config))
-    else:
-        config = LlamaConfig(hidden_size=shape.n_embd, intermediate_size=shape.ffn_hidden,
-                             num_hidden_layers=shape.n_layer, num_attention_heads=shape.n_head,
-                             num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab_size,
-                             max_position_embeddings=shape.n_positions, tie_word_embeddings=False)
-        with torch.device("meta"):
-            counted = _count(LlamaForCausalLM(config))
+    counted = _count(meta_model(shape))  # GPT2LMHeadModel or LlamaForCausalLM on the meta device
     assert counted == shape.parameters() == published
 
 

@@ -30,8 +30,6 @@ from parallel_lib.model_parallel.memory import (
     training_memory,
 )
 from parallel_lib.model_parallel.layer_memory import (
-    DECODER_SHAPES,
-    DecoderShape,
     device_bytes,
     kv_cache_bytes_per_token,
     layer_parameters,
@@ -51,8 +49,6 @@ from parallel_lib.model_parallel.placing import (
 from parallel_lib.model_parallel.timeline import measure_step_timeline, record_timeline
 
 __all__ = [
-    "DECODER_SHAPES",
-    "DecoderShape",
     "device_bytes",
     "kv_cache_bytes_per_token",
     "layer_parameters",

@@ -20,7 +20,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parallel_lib.common.checks import check_int, check_number, positive_int, positive_number
+from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
+from parallel_lib.cost.activation import activation_bytes
+from parallel_lib.cost.shape import GPTShape, shape_of
 from parallel_lib.cost.units import GiB  # a "16 GB" V100 holds 16 GiB
 from parallel_lib.model_parallel.placing import placement
 from parallel_lib.runtime.device import DeviceKey, resolve_device
@@ -47,6 +49,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 
 
+# ModelShape, MODEL_SHAPES and activation_memory are what planner/strategy.py, option.py and
+# sharded_tensor.py still read; everything else uses parallel_lib.cost.shape and parallel_lib.cost.activation.
+# They go once the planner prices with GPTShape (issue #21, "One cost model, in one place").
 @dataclass(frozen=True)
 class ModelShape:
     """What the estimates need to know about a published model."""
@@ -77,7 +82,7 @@ class TrainingMemory:
     gradients: float  # same dtype as the weights
     master_weights: float  # fp32 copy that mixed precision updates
     optimizer_states: float  # fp32 moments
-    activations: float = 0.0  # whatever the caller adds (see activation_memory)
+    activations: float = 0.0  # whatever the caller adds (see parallel_lib.cost.activation.activation_bytes)
 
     @property
     def total(self) -> float:
@@ -132,7 +137,7 @@ def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str]
         dtype: "fp32", "bf16" or "fp16" (the latter two mean mixed precision).
         optimizer: "adamw", "adam", "sgd_momentum", "sgd", or None for inference
             (weights only: no gradients, no master copy, no states).
-        activations: activation bytes to include (e.g. from :func:`activation_memory`).
+        activations: activation bytes to include (e.g. from :func:`parallel_lib.cost.activation.activation_bytes`).
 
     Raises:
         ValueError: ``n_params`` negative or not a finite number, or an unknown ``dtype`` / ``optimizer``.
@@ -242,26 +247,28 @@ def format_memory_report(report: dict[DeviceKey, DeviceMemory]) -> str:
     return "\n".join(lines)
 
 
-def model_memory(name: str, dtype: str = "fp16", optimizer: Optional[str] = "adamw", batch_size: int = 0,
+def model_memory(model: str | GPTShape, dtype: str = "fp16", optimizer: Optional[str] = "adamw", batch_size: int = 0,
                  attention_scores: bool = False) -> TrainingMemory:
-    """:func:`training_memory` of a model in :data:`MODEL_SHAPES`, plus activations for ``batch_size`` sequences.
+    """:func:`training_memory` of a model, plus activations for ``batch_size`` sequences.
 
-    Activations use the model's full context length and assume a FlashAttention-style
-    kernel (no stored score matrices) unless ``attention_scores``; ``batch_size=0``
-    leaves them out. Activations are scaled from the 16-bit formula by the dtype's width.
+    ``model`` is a published name from :data:`parallel_lib.cost.shape.SHAPES` or a
+    :class:`~parallel_lib.cost.shape.GPTShape`; its parameters are :meth:`GPTShape.parameters`.
+    Activations (:func:`parallel_lib.cost.activation.activation_bytes`, Korthikanti et al. 2022) use
+    the model's full context length (``n_positions``), values of ``dtype``'s width and byte dropout
+    masks, and assume a FlashAttention-style kernel (no stored score matrices) unless
+    ``attention_scores``; ``batch_size=0`` leaves them out.
 
     Raises:
-        ValueError: an unknown ``name`` or a ``batch_size`` that is not an int >= 0.
+        ValueError: an unknown ``model`` or ``dtype``, or a ``batch_size`` that is not an int >= 0.
     """
-    if name not in MODEL_SHAPES:
-        raise ValueError(f"name must be one of {sorted(MODEL_SHAPES)}, got name={name!r}")
+    shape = shape_of(model)
+    width = DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
     check_int("batch_size", batch_size, 0, hint="0 leaves the activations out")
-    shape = MODEL_SHAPES[name]
     acts = 0.0
     if batch_size and optimizer is not None:  # inference keeps no activations for a backward pass
-        acts = activation_memory(batch_size, shape.seq_len, shape.hidden, shape.n_heads, shape.n_layers,
-                                 attention_scores) * DTYPE_BYTES[dtype] / 2
-    return training_memory(shape.n_params, dtype, optimizer, acts)
+        acts = activation_bytes(batch_size, shape.n_positions, shape, attention_scores=attention_scores,
+                                bytes_per_element=width)
+    return training_memory(shape.parameters(), dtype, optimizer, acts)
 
 
 def memory_verdict(estimate: TrainingMemory, n_devices: int, device_bytes: float) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from parallel_lib.common.checks import check_number, positive_int
+from parallel_lib.cost.activation import activation_bytes  # the one activation formula (layer 0)
 from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.cost.alpha_beta import wire_bytes
 from parallel_lib.cost.shape import GPTShape
@@ -103,37 +104,6 @@ def shard_parameters(shape: GPTShape, tp: int) -> int:
         ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
     """
     return shape.parameters(tp)
-
-
-def activation_bytes(batch: int, seq: int, shape: GPTShape, tp: int = 1, sequence_parallel: bool = False,
-                     attention_scores: bool = True, dropout: bool = True, bytes_per_element: int = 2,
-                     mask_bytes: int = 1) -> float:
-    """Activation bytes a rank keeps for backward (Korthikanti et al. 2022, eqs. 2–4 with the defaults).
-
-    Per block: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism, where the 10 (the
-    two layer norms' inputs, the two column-parallel layers' inputs, two dropout masks) stays whole
-    on every rank; sequence parallelism splits it too, ``s·b·h·(34/t + 5·a·s/(h·t))``: the
-    column-parallel layers keep only their slice of the input and gather it again in backward
-    (:func:`~parallel_lib.tensor_parallel.regions.sequence_parallel_linear`, as Megatron-LM does).
-
-    The terms, for ``e = bytes_per_element`` and masks of ``mask_bytes``: layer-norm inputs ``2e`` and
-    column-parallel inputs ``2e`` (whole, or ``/t`` under SP), residual dropout masks ``2·mask_bytes``
-    (ditto), q, k, v, the projection's input and the MLP's two ``4h`` tensors ``12e/t``; per attention
-    score (``a·s²·b/t``) the softmax output ``e``, its dropout mask and dropped output ``mask_bytes + e``.
-    The defaults are the paper's 16-bit training with byte masks; ``dropout=False`` leaves the masks
-    and the dropped scores out. Layer norms' statistics (two fp32 values per token and norm) are not
-    counted (the paper leaves them out; they are ``16·b·s`` bytes per block).
-
-    Raises:
-        ValueError: ``bytes_per_element`` or ``mask_bytes`` not an int >= 1.
-    """
-    e, m = positive_int("bytes_per_element", bytes_per_element), positive_int("mask_bytes", mask_bytes)
-    s, b, h, a = seq, batch, shape.n_embd, shape.n_head
-    masks = m if dropout else 0
-    scores = (e + (masks + e if dropout else 0)) * a * s / (h * tp) if attention_scores else 0.0
-    kept_whole = 4 * e + 2 * masks  # norms' and column-parallel layers' inputs, residual dropout masks
-    replicated = kept_whole / tp if sequence_parallel else kept_whole
-    return shape.n_layer * s * b * h * (replicated + 12 * e / tp + scores)
 
 
 def training_flops(shape: GPTShape, batch: int, seq: int) -> float:
