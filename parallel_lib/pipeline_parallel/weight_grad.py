@@ -6,7 +6,9 @@ gradient, which nobody waits for until the optimizer step). Zero-bubble schedule
 2023) run them as two actions: B computes only the input gradients through the stage and keeps,
 for every parameterised operation, what its weight gradient needs (the operation's input and
 its output gradient); W, later, computes only the weight gradients from them. B + W then costs
-what one whole backward costs, plus a few microseconds of Python per operation.
+what one whole backward costs, plus a fixed cost of Python per operation (at width 32, where the
+products cost next to nothing: 10–30 µs per operation for B and W together, and about as much
+again for recording in F, on the course's 2-core CPU).
 
 How the cut is made. While F runs, :class:`record_weight_ops` (a ``TorchFunctionMode``) catches
 each call of a parameterised operation (``F.linear``, ``torch.addmm`` (GPT-2's ``Conv1D``),
@@ -16,17 +18,19 @@ the stage's graph (a custom ``autograd.Function``) whose backward is split::
     stage graph              one caught operation: y = linear(x, W, b)
     ... <- [op node] <-      F:  y from PyTorch's own kernel; the node saves x and W
              |
-        B:   [1] dx = dy W  (the product autograd's backward runs for x); keep (x, dy)
-        W:   [2] dW = dyᵀ x, db = Σ dy  (the products autograd runs for W and b)
-             [3] add them to W.grad, b.grad
+        B:   [1] dx = dy W  (the product autograd's backward runs for x); keep (x, dy, Σ dy)
+        W:   [2] dW = dyᵀ x  (the product autograd runs for W)
+             [3] add dW and Σ dy to W.grad, b.grad
 
 [1] In B the node returns the input gradient only, with the very call autograd's backward of
     the operation makes for it (``addmm``'s ``mm`` of the same operands, ``native_layer_norm_backward``
     asked for the input alone), and hands the operation's saved input and its output gradient to
-    a :class:`WeightOp`. Everything else the stage saved is freed by B.
+    a :class:`WeightOp`. A linear layer's bias gradient, a sum of dy over rows that reads dy once,
+    is taken here, while dy is in cache (Megatron-LM's deferred weight gradients do the same);
+    W adds it. Everything else the stage saved is freed by B.
 [2] W calls, for each operation, the kernels autograd's backward calls for the parameters, on the
-    same operands (``mm`` in the weight's own layout, the bias's sum over rows,
-    ``native_layer_norm_backward`` asked for the parameters alone, ``embedding_dense_backward``):
+    same operands (``mm`` in the weight's own layout, ``native_layer_norm_backward`` asked for
+    the parameters alone, ``embedding_dense_backward``):
     B then W gives the bits of one whole backward (``tests/test_weight_grad.py``). No autograd
     graph is walked in W and no activation backward runs again.
 [3] Contributions of one parameter (a tied embedding used twice) are summed first, then added
@@ -101,7 +105,7 @@ class _LinearOp(WeightOp):
 
 
 class _CutLinear(torch.autograd.Function):
-    """A linear layer as one node whose backward gives only ``dx = dy W`` and keeps (x, dy) [1]."""
+    """A linear layer as one node whose backward gives only ``dx = dy W`` and keeps (x, dy, Σ dy) [1]."""
 
     @staticmethod
     def forward(ctx: Any, op: _LinearOp, x: Tensor, weight: Tensor, bias: Optional[Tensor]  # type: ignore[override]
@@ -115,7 +119,7 @@ class _CutLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         op: _LinearOp = ctx.op
         op.x, op.grad = x, dy
-        if len(op.params) == 2:  # a sum over rows, read while dy is in cache (Megatron's deferred W does the same)
+        if len(op.params) == 2:  # the bias gradient, while dy is in cache [1]
             op.bias_grad = dy.reshape(-1, dy.shape[-1]).sum(0)
         dx = None
         if ctx.needs_input_grad[1]:
@@ -343,10 +347,10 @@ class record_weight_ops(TorchFunctionMode):
         self.ops: list[WeightOp] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        cut = _CUTS.get(func)
+        cut = _CUTS.get(func)  # every torch call of the forward passes here: the fewer steps the better
         if cut is None or not torch.is_grad_enabled():
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         out = cut(self.ops, args, kwargs)
         if out is not None:
             return out
