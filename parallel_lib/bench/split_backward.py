@@ -6,8 +6,9 @@ they pay only if B + W costs what one whole backward costs. For one pipeline sta
 two GPT-2 blocks, 2 sequences of 64 tokens), repeats interleaved, medians:
 
 - F (unsplit, and recording the operations W is cut at), the whole backward, B, W, and the ratio
-  (B + W) / whole, in one run: of the medians, and of each cost's fastest repeat (the least
-  disturbed on a shared machine); one torch thread;
+  (B + W) / whole, in one run: of the medians, the median of each repeat's own ratio (its split
+  and unsplit passes ran within milliseconds of each other, so a shared machine's changing load
+  moves both), and of each cost's fastest repeat (the least disturbed); one torch thread;
 - 1F1B beside ZB-H1 simulated from those costs (1F1B: F and the whole backward; ZB-H1: the
   recording F, B and W; medians, and the fastest repeats) at p = 2 and 4, m = 8;
 - 1F1B beside ZB-H1 measured on threaded :class:`~parallel_lib.pipeline_parallel.Pipe`\ s at
@@ -165,31 +166,37 @@ def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
             times = stage_costs(module, x, config.repeats)
             c = {key: statistics.median(values) for key, values in times.items()}
             least = {key: min(values) for key, values in times.items()}
+            each = [{key: values[k] for key, values in times.items()} for k in range(config.repeats)]
+            paired = statistics.median((t["B"] + t["W"]) / t["whole"] for t in each)
             costs_rows.append([label, width, *(f"{c[k] * 1e3:.2f}" for k in ("F", "F split", "whole", "B", "W")),
-                               f"{(c['B'] + c['W']) / c['whole']:.2f}",
+                               f"{(c['B'] + c['W']) / c['whole']:.2f}", f"{paired:.2f}",
                                f"{(least['B'] + least['W']) / least['whole']:.2f}"])
             for p in (2, 4):
                 ours, zb = _simulated(c, p, config.micro_batches)
                 ours_least, zb_least = _simulated(least, p, config.micro_batches)
+                paired = statistics.median(zb_k / ours_k for ours_k, zb_k in
+                                           (_simulated(t, p, config.micro_batches) for t in each))
                 step_rows.append([label, width, p, "simulated", f"{ours * 1e3:.1f}", f"{zb * 1e3:.1f}",
-                                  f"{zb / ours:.2f}", f"{zb_least / ours_least:.2f}"])
+                                  f"{zb / ours:.2f}", f"{paired:.2f}", f"{zb_least / ours_least:.2f}"])
         rows = config.rows // 2 if config.rows > 16 else config.rows
         cores = os.cpu_count() or 1
         for p in config.pipe_stages:
             steps = _pipe_steps(p, width, rows, config.micro_batches, config.pipe_repeats)
             ours, zb = statistics.median(steps["1f1b"]), statistics.median(steps["zb-h1"])
+            paired = statistics.median(zb_k / ours_k for ours_k, zb_k in zip(steps["1f1b"], steps["zb-h1"]))
             step_rows.append(["MLP, 8 x (Linear + Tanh)", width, p,
                               f"measured (Pipe threads, {min(cores, p) / p:.2g} core per stage)", f"{ours * 1e3:.1f}",
-                              f"{zb * 1e3:.1f}", f"{zb / ours:.2f}", f"{min(steps['zb-h1']) / min(steps['1f1b']):.2f}"])
+                              f"{zb * 1e3:.1f}", f"{zb / ours:.2f}", f"{paired:.2f}",
+                              f"{min(steps['zb-h1']) / min(steps['1f1b']):.2f}"])
     return costs_rows, step_rows
 
 
 def markdown(costs_rows: list[list[object]], step_rows: list[list[object]], config: Config) -> str:
     cores = os.cpu_count() or 1
     head = ["stage", "width", "F ms", "F recording ms", "whole backward ms", "B ms", "W ms", "(B + W) / whole",
-            "the same, fastest repeats"]
+            "median of each repeat's", "of the fastest repeats"]
     steps = ["model", "width", "p", "how", "1F1B step ms", "ZB-H1 step ms", "ZB-H1 / 1F1B",
-             "the same, fastest repeats"]
+             "median of each repeat's", "of the fastest repeats"]
     return "\n".join([f"Split backward on {machine_label()} ({torch.get_num_threads()} torch threads, {cores} cores; "
                       f"medians of {config.repeats} interleaved repeats)", "", markdown_table(head, costs_rows), "",
                       f"1F1B beside ZB-H1, m = {config.micro_batches} (the Pipes: {config.pipe_repeats} steps each, "
