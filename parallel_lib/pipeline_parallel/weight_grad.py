@@ -18,19 +18,20 @@ the stage's graph (a custom ``autograd.Function``) whose backward is split::
     stage graph              one caught operation: y = linear(x, W, b)
     ... <- [op node] <-      F:  y from PyTorch's own kernel; the node saves x and W
              |
-        B:   [1] dx = dy W  (the product autograd's backward runs for x); keep (x, dy, Σ dy)
+        B:   [1] dx = dy W  (the product autograd's backward runs for x); keep x, dy and Σ dy
         W:   [2] dW = dyᵀ x  (the product autograd runs for W)
              [3] add dW and Σ dy to W.grad, b.grad
 
-[1] In B the node returns the input gradient only, with the very call autograd's backward of
-    the operation makes for it (``addmm``'s ``mm`` of the same operands, ``native_layer_norm_backward``
-    asked for the input alone), and hands the operation's saved input and its output gradient to
-    a :class:`WeightOp`. A linear layer's bias gradient, a sum of dy over rows that reads dy once,
-    is taken here, while dy is in cache (Megatron-LM's deferred weight gradients do the same);
-    W adds it. Everything else the stage saved is freed by B.
-[2] W calls, for each operation, the kernels autograd's backward calls for the parameters, on the
-    same operands (``mm`` in the weight's own layout, ``native_layer_norm_backward`` asked for
-    the parameters alone, ``embedding_dense_backward``):
+[1] In B the node returns the input gradient, with the very call autograd's backward of the
+    operation makes for it (``addmm``'s ``mm`` of the same operands), and hands the operation's
+    saved input and its output gradient to a :class:`WeightOp`. Parameter gradients that are
+    sums over rows and no product (a linear layer's bias, a layer norm's weight and bias) are
+    taken here, while dy is in cache, in the call a whole backward makes (one
+    ``native_layer_norm_backward`` gives a layer norm's three gradients); Megatron-LM's deferred
+    weight gradients likewise put off only the GEMMs. W adds them. Everything else the stage
+    saved is freed by B.
+[2] W calls, for each operation, the kernel autograd's backward calls for the weight, on the
+    same operands (``mm`` in the weight's own layout, ``embedding_dense_backward``):
     B then W gives the bits of one whole backward (``tests/test_weight_grad.py``). No autograd
     graph is walked in W and no activation backward runs again.
 [3] Contributions of one parameter (a tied embedding used twice) are summed first, then added
@@ -70,7 +71,8 @@ class WeightOp:
 
     Attributes:
         params: the operation's parameters, in the order :meth:`weight_grads` returns their gradients.
-        grad: the output gradient B received (None before B, or when no gradient reached it).
+        grad: the output gradient B received and W needs (None before B, when no gradient reached
+            the operation, or when B took what W needs from it already).
     """
 
     __slots__ = ("params", "grad")
@@ -80,7 +82,7 @@ class WeightOp:
         self.grad: Optional[Tensor] = None
 
     def weight_grads(self) -> list[Optional[Tensor]]:
-        """W [2]: the parameters' gradients (after B), and forget what was kept for them."""
+        """W [2]: the parameters' gradients (none if B did not reach the operation); forget what was kept."""
         raise NotImplementedError
 
 
@@ -95,7 +97,8 @@ class _LinearOp(WeightOp):
 
     def weight_grads(self) -> list[Optional[Tensor]]:
         dy, x = self.grad, self.x
-        assert dy is not None and x is not None
+        if dy is None or x is None:
+            return []
         dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # rows of every leading dimension
         grads: list[Optional[Tensor]] = [x.t().mm(dy) if self.addmm else dy.t().mm(x)]  # in the weight's layout
         if self.bias_grad is not None:
@@ -130,22 +133,24 @@ class _CutLinear(torch.autograd.Function):
 class _NormOp(WeightOp):
     """``F.layer_norm(x, shape, weight, bias, eps)``."""
 
-    __slots__ = ("shape", "saved")
+    __slots__ = ("shape", "grads")
 
     def __init__(self, params: list[Tensor], shape: list[int]) -> None:
         super().__init__(params)
-        self.shape, self.saved = shape, ()
+        self.shape, self.grads = shape, [None, None]
 
     def weight_grads(self) -> list[Optional[Tensor]]:
-        x, mean, rstd = self.saved
-        weight, bias = self.params
-        _, dw, db = _LAYER_NORM_BACKWARD(self.grad, x, self.shape, mean, rstd, weight, bias, [False, True, True])
-        self.grad, self.saved = None, ()
-        return [dw, db]
+        grads, self.grads = self.grads, [None, None]
+        return grads
 
 
 class _CutNorm(torch.autograd.Function):
-    """A layer norm as one node whose backward gives only the input gradient and keeps (x, statistics, dy) [1]."""
+    """A layer norm as one node whose backward gives the input gradient and keeps the parameters' [1].
+
+    A layer norm's parameter gradients are sums over rows (no product), and the kernel that gives
+    the input gradient reads the same x and dy: one call gives all three, as in a whole backward,
+    and W only adds the two it kept (a second call in W would read x and dy again).
+    """
 
     @staticmethod
     def forward(ctx: Any, op: _NormOp, x: Tensor, weight: Tensor, bias: Tensor, eps: float  # type: ignore[override]
@@ -159,10 +164,9 @@ class _CutNorm(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         x, weight, bias, mean, rstd = ctx.saved_tensors
         op: _NormOp = ctx.op
-        op.saved, op.grad = (x, mean, rstd), dy
-        dx = None
-        if ctx.needs_input_grad[1]:
-            dx = _LAYER_NORM_BACKWARD(dy, x, op.shape, mean, rstd, weight, bias, [True, False, False])[0]
+        dx, dw, db = _LAYER_NORM_BACKWARD(dy, x, op.shape, mean, rstd, weight, bias,
+                                          [ctx.needs_input_grad[1], True, True])
+        op.grads = [dw, db]  # dy is not kept
         return None, dx, None, None, None
 
 
@@ -177,6 +181,8 @@ class _EmbeddingOp(WeightOp):
         self.padding_idx, self.scale = padding_idx, scale
 
     def weight_grads(self) -> list[Optional[Tensor]]:
+        if self.grad is None:
+            return []
         grad = _EMBEDDING_BACKWARD(self.grad, self.ids, self.params[0].shape[0], self.padding_idx, self.scale)
         self.grad = self.ids = None  # type: ignore[assignment]
         return [grad]
@@ -208,6 +214,8 @@ class _GraphOp(WeightOp):
         self.out, self.leaves = out, leaves
 
     def weight_grads(self) -> list[Optional[Tensor]]:
+        if self.grad is None:
+            return []
         grads = list(torch.autograd.grad(self.out, self.leaves, self.grad, allow_unused=True))
         self.out = self.grad = None  # type: ignore[assignment]
         return grads
@@ -384,8 +392,6 @@ def weight_gradients(ops: list[WeightOp]) -> dict[Tensor, Tensor]:
     """
     summed: dict[Tensor, Tensor] = {}
     for op in ops:
-        if op.grad is None or not op.params:
-            continue
         for p, g in zip(op.params, op.weight_grads()):
             if g is not None:
                 summed[p] = summed[p] + g if p in summed else g
