@@ -167,6 +167,17 @@ def test_calls_outside_the_fast_layouts_keep_a_small_graph_and_still_split_bitwi
     assert all(torch.equal(a, b) for a, b in zip(whole, split))
 
 
+def test_under_autocast_the_operations_keep_small_graphs_with_the_cast_operands():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3))
+    runner = StageRunner(model, CPU, first=False)
+    x, grad = torch.randn(4, 6), torch.randn(4, 3, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole, split, (dx_whole, dx_split), _ = _whole_then_split(runner, x, grad=grad)
+    assert all(torch.equal(a, b) for a, b in zip(whole, split))
+    assert torch.equal(dx_whole, dx_split)
+
+
 def test_b_needs_a_forward_that_recorded_its_operations():
     runner = StageRunner(nn.Linear(2, 2), CPU, first=False)
     saved, _ = runner.forward(torch.randn(3, 2))

@@ -37,7 +37,7 @@ the stage's graph (a custom ``autograd.Function``) whose backward is split::
 [3] Contributions of one parameter (a tied embedding used twice) are summed first, then added
     to ``.grad`` once, as autograd's ``AccumulateGrad`` does.
 
-A call outside those layouts (a non-contiguous input, ``addmm`` with ``beta``, a frozen bias)
+A call outside those layouts (a non-contiguous input, ``addmm`` with ``beta``, a frozen bias, autocast)
 keeps a small autograd graph of its own (:class:`_GraphOp`): B asks it for the input gradient
 only, W for the parameters only, so the split still holds, at one autograd call per operation.
 A parameter used by any other operation (``weight[ids]``, ``x @ W``) keeps autograd's ordinary
@@ -359,7 +359,8 @@ class record_weight_ops(TorchFunctionMode):
         if cut is None or not torch.is_grad_enabled():
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        out = cut(self.ops, args, kwargs)
+        # under autocast PyTorch's kernels save the cast operands, which only a small graph keeps
+        out = None if torch._C._is_any_autocast_enabled() else cut(self.ops, args, kwargs)
         if out is not None:
             return out
         if _catchable(func, args, kwargs):
