@@ -139,9 +139,8 @@ def _strategy_options() -> Figure:
 
 
 def _strategy_decision_map() -> Figure:
-    from parallel_lib.model_parallel import MODEL_SHAPES
-    from parallel_lib.viz.strategy import plot_decision_map
-    return plot_decision_map(list(MODEL_SHAPES), [1, 2, 4, 8, 16, 32, 64], 80, 2048, 64)
+    from parallel_lib.viz.strategy import DECISION_MODELS, plot_decision_map
+    return plot_decision_map(DECISION_MODELS, [1, 2, 4, 8, 16, 32, 64], 80, 2048, 64)
 
 
 # ----------------------------------------------------------------------------- chapter 06

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from parallel_lib.common import build_gpt2
-from parallel_lib.common.activations import SavedTensors, measure_step_activations, set_recomputation
+from parallel_lib.common.activations import measure_step_activations, set_recomputation
+from parallel_lib.common.saved_tensors import SavedTensors
 
 
 def test_counts_each_saved_storage_once_and_leaves_out_parameters():
@@ -24,6 +25,47 @@ def test_counts_nothing_without_grad():
     with SavedTensors() as saved, torch.no_grad():
         torch.sin(torch.randn(100, requires_grad=True))
     assert saved.nbytes == 0 and saved.count == 0
+
+
+def test_a_saved_view_counts_the_bytes_it_reaches_each_storage_once():
+    """A micro-batch is a slice of the batch, a broadcast a view of a few values: each counts what it holds.
+    The course had three counters: this one counted the slice's whole storage (the batch, 4 times too much),
+    the pipeline stage's counted the broadcast as if it were whole (8 rows instead of 1)."""
+    layer = nn.Linear(64, 64, bias=False)
+    batch = torch.randn(32, 64)
+    with SavedTensors(layer) as saved:
+        layer(batch[:8])  # saves its input: rows 0-7 of the batch, 8 · 64 · 4 bytes
+    assert saved.nbytes == 2048 and saved.count == 1
+    x, row = torch.randn(8, 64, requires_grad=True), torch.randn(1, 64, requires_grad=True)
+    with SavedTensors() as saved:
+        x * row.expand(8, 64)  # saves x (8 · 64 · 4) and the broadcast row (its 64 values, 4 bytes each)
+    assert saved.nbytes == 2048 + 256
+    qkv = torch.randn(2, 8, 12, requires_grad=True) * 1  # q, k, v: thirds of the last dimension, all saved
+    q, k, v = qkv.split(4, dim=-1)
+    with SavedTensors() as saved:
+        (q @ k.transpose(1, 2)) @ v  # together they reach the whole (2, 8, 12) storage
+    assert saved.nbytes == 2 * 8 * 12 * 4 + 2 * 8 * 8 * 4  # qkv, and the scores q·kᵀ saved by the second product
+
+
+def test_a_pipeline_stage_reports_the_census():
+    """StageRunner's ``last_saved_bytes`` (chapters 04 and 08's peaks) is this counter: parameters and buffers
+    left out, the broadcast counted once."""
+    from parallel_lib.pipeline_parallel.stage import StageRunner
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+            self.register_buffer("offset", torch.ones(64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.linear(x) + self.offset
+            return h * h.mean(0, keepdim=True).expand_as(h)
+
+    runner = StageRunner(Scaled(), torch.device("cpu"), first=False)
+    runner.forward(torch.randn(8, 64), None)
+    # the linear's input (8 · 64 · 4 = 2,048), h for the product (2,048), the broadcast mean (64 · 4 = 256)
+    assert runner.last_saved_bytes == 2048 + 2048 + 256
 
 
 def test_exclude_rejects_other_things():

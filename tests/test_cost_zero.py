@@ -20,11 +20,10 @@ import pytest
 
 from parallel_lib.cost.zero import (deepspeed_estimate, zero3_working_set, zero_collectives, zero_memory, zero_passes,
                                     zero_traffic)
-from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
 from parallel_lib.planner.layout import Layout, dp_collectives, rank_parameters
-from parallel_lib.planner.sharded_tensor import zero_option
+from parallel_lib.planner.strategy import plan
 from parallel_lib.runtime import launch
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 from parallel_lib.training import Plan, RunConfig, train_many
 
 M = 4  # micro-batches per replica and step
@@ -81,11 +80,14 @@ def test_the_planner_prices_zero_3_per_sequence():
     Before issue #21 the planner said 35.4 GB per GPU and step for ZeRO-3 (one gather for forward, one for
     backward, one reduce-scatter); each of the 8 sequences makes all three, so 8 x 35.38 = 283.0 GB.
     """
-    llama = MODEL_SHAPES["llama-2-7b"]
-    option = zero_option(llama, 4096, 64, 18 * GiB, 8)
-    assert option.strategy == "ZeRO-3" and option.micro_batches == 8
-    assert round(option.allreduce_bytes / 1e9, 1) == 283.0
-    assert round(option.allreduce_bytes / 8 / 1e9, 1) == 35.4  # the one-pass figure chapter 06 printed
+    chosen = plan("llama-2-7b", 4096, 64, 18, 8, strategies=("ZeRO",))
+    option = chosen.inputs.priced(Layout(dp=8, zero=3, micro_batches=8, recompute=True))  # one sequence at a time
+    assert round(option.sent["dp"] / 1e9, 1) == 283.0
+    assert round(option.sent["dp"] / 8 / 1e9, 1) == 35.4  # the one-pass figure chapter 06 printed
+    # the planner takes the fewest micro-batches that fit, 4 of 2 sequences: 3 x 4 passes of 7/8 x 2Ψ bytes
+    picked = chosen.option("ZeRO")
+    assert picked.strategy == "ZeRO-3" and picked.micro_batches == 4
+    assert round(picked.allreduce_bytes / 1e9, 1) == round(12 * 7 / 8 * 2 * 6_738_415_616 / 1e9, 1) == 141.5
 
 
 # ----------------------------------------------------------------------------- ZeRO-3's working set (error 5)

@@ -89,3 +89,17 @@ def test_the_command_names_a_bad_tp(capsys):
     with pytest.raises(SystemExit):
         main(["dry-run", "--world-sizes", "12", "--tp", "8"])
     assert "dry-run: tp=8 must divide world_size=12" in capsys.readouterr().err
+
+
+def test_the_readmes_table_is_what_pytorch_lays_out(runs):
+    """Every row of the README's dry-run table that this module's runs cover, cell for cell."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    table = {tuple(cells[:3]): cells for cells in
+             ([c.strip() for c in line.strip().strip("|").split("|")] for line in readme.splitlines()
+              if line.startswith("| GPT-2 XL |") or line.startswith("| Llama 3 "))}
+    ours = [[str(c) for c in row] for row in dry_run_rows([r for r in runs if not r.skipped])]
+    covered = [row for row in ours if tuple(row[:3]) in table]
+    assert len(covered) == 9  # GPT-2 XL at 8, 64, 1,024 ranks; Llama 3 8B at the same, tp 1 and 8
+    for row in covered:
+        assert table[tuple(row[:3])] == row

@@ -276,9 +276,9 @@ WRONG = [
     ("plan_parallelism", """
         def plan_parallelism(fits, n_gpus, n_layers):
             for stages in range(1, n_layers + 1):
-                if fits(stages, 1):   # asks with one replica: more stages than needed
+                if fits(stages, 1):   # asks with one replica: more stages than needed (64 sequences in one pipeline: 8)
                     return stages, n_gpus // stages
-     """, ["plan_parallelism(fits[llama-2-7b, 64 x 4096 tokens, 8 x 80 GiB], 8, 32)", "expected (4, 2), got (6, 1)",
+     """, ["plan_parallelism(fits[llama-2-7b, 64 x 4096 tokens, 8 x 80 GiB], 8, 32)", "expected (4, 2), got (8, 1)",
            "fits(4, 2) is True too, with fewer stages"]),
     ("plan_parallelism", """
         def plan_parallelism(fits, n_gpus, n_layers):

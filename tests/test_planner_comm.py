@@ -19,7 +19,7 @@ from parallel_lib.planner.calibrate import KINDS, AlphaBeta, Calibration, RankSp
 from parallel_lib.planner.hardware import Links, group_span, published_calibration
 from parallel_lib.planner.layout import Layout, StepCost, exposed_seconds, price
 from parallel_lib.planner.strategy import plan
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 MODEL = build_gpt2("tiny", vocab_size=512, seed=0, n_positions=64)
 SHAPE = GPTShape.of(MODEL.config)  # 4 blocks, width 64
@@ -56,16 +56,29 @@ def test_links_of_an_h100_node_are_nvlink_inside_and_infiniband_across():
 
 
 def test_chapter_05s_planner_prices_a_node_on_nvlink_and_nodes_on_infiniband():
-    # LLaMA-2-7B, fp16: 6.74e9 x 2 bytes of gradients; DP x PP = 2 replicas of 4 stages on one node of 8
+    # LLaMA-2-7B, fp16; DP x PP = 2 replicas of 4 stages on one node of 8. The last stage is the busiest: 8 blocks
+    # of 202,383,360 (matrices and two RMSNorm weights), the final norm (4096) and the untied head (32,000 x 4096)
     one_node = plan("llama-2-7b", 4096, 64, 80, 8).option("DP×PP")
     assert (one_node.replicas, one_node.stages, one_node.micro_batches) == (2, 4, 16)
-    grads = one_node.allreduce_bytes * 4  # over 2 replicas a rank sends its stage's gradients once
-    assert one_node.comm_seconds == pytest.approx(grads / 4 / 450e9 + one_node.p2p_bytes / 450e9, rel=1e-12)
+    params = 8 * 202_383_360 + 4096 + 32_000 * 4096
+    assert one_node.priced.params == params == 1_750_142_976
+    # ring all-reduce of its fp16 gradients over 2 replicas on NVLink: 2 steps of 5 µs, 2 x 1/2 x 2 bytes x params
+    assert one_node.allreduce_bytes == 2 * params
+    dp = one_node.priced.dp_comm + one_node.priced.dp_hidden
+    assert dp == pytest.approx(2 * 5e-6 + 2 * params / 450e9, rel=1e-12)
+    # an inner stage sends 16 micro-batches' (2 x 4096 x 4096) fp16 hidden states forward and their gradients back
+    boundary = 2 * 4096 * 4096 * 2
+    assert one_node.p2p_bytes == 2 * 16 * boundary == 2_147_483_648
+    assert one_node.priced.pp_comm == pytest.approx(32 * (5e-6 + boundary / 450e9), rel=1e-12)
+    assert one_node.comm_seconds == pytest.approx(dp + one_node.priced.pp_comm, rel=1e-12)
     # 16 GPUs: the 8 replicas' group spans two nodes (InfiniBand), each 2-stage pipeline stays on one (NVLink)
     two_nodes = plan("llama-2-7b", 4096, 64, 80, 16).option("DP×PP")
     assert (two_nodes.replicas, two_nodes.stages) == (8, 2)
-    assert two_nodes.comm_seconds == pytest.approx(two_nodes.allreduce_bytes / 50e9 + two_nodes.p2p_bytes / 450e9,
-                                                   rel=1e-12)
+    params = 16 * 202_383_360 + 4096 + 32_000 * 4096  # the last of 2 stages
+    dp = two_nodes.priced.dp_comm + two_nodes.priced.dp_hidden
+    assert dp == pytest.approx(14 * 10e-6 + 2 * 7 / 8 * 2 * params / 50e9, rel=1e-12)  # 14 ring steps of 10 µs
+    boundary = 4096 * 4096 * 2  # 8 micro-batches of one sequence; an end stage sends one way
+    assert two_nodes.priced.pp_comm == pytest.approx(8 * (5e-6 + boundary / 450e9), rel=1e-12)
     assert "gradients on InfiniBand, 50 GB/s; hidden states on NVLink, 450 GB/s" in "\n".join(two_nodes.reasons)
 
 
@@ -123,3 +136,14 @@ def test_zero_3_prefetch_hides_gathers_behind_each_pass_and_tp_hides_nothing():
     tp = Layout(dp=2, tp=2)  # the tensor-parallel all-reduces are on the critical path: never hidden
     on, off = (price(tp, SHAPE, 16, 64, CAL, SLOW, overlap=flag) for flag in (True, False))
     assert on.tp_comm == off.tp_comm > 0 and on.compute == off.compute
+
+
+def test_links_are_a_calibration_of_published_figures_for_chapter_05s_planner():
+    pcie = Links(25e9, 12.5e9, 8, "PCIe", "Ethernet").calibration()
+    # inside a node of 8: the links' own speed with NVLink's 5 µs a ring step; 9 ranks wide: the network's, 10 µs
+    assert pcie.link("all_reduce", 16, 8) == AlphaBeta(5e-6, 25e9)
+    assert pcie.link("all_reduce", 16, 9) == AlphaBeta(10e-6, 12.5e9)
+    assert pcie.ranks[1].flops_per_second == 989e12  # computing at an H100's published peak unless told
+    assert published_calibration("A100").link("send", 64, 16) == AlphaBeta(10e-6, 25e9)  # DGX A100: HDR, 25 GB/s
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        Links(25e9, 12.5e9, gpu="H200")

@@ -9,7 +9,7 @@ from parallel_lib.cost import MIXTRAL_8X7B, moe_memory
 from parallel_lib.planner.experts import Experts, mlp_parameters, plan_ep, price_ep
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Layout, StepCost
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 # Mixtral 8x7B's dense skeleton (Mistral 7B's block, one expert as its MLP), and its mixture
 MIXTRAL = GPTShape(32, 4096, 32, 32000, 4096, ffn_hidden=14336, kv_heads=8, gated_mlp=True, rms_norm=True,

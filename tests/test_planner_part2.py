@@ -1,13 +1,22 @@
-"""The planner prices ZeRO and tensor parallelism with the formulas chapters 06 and 07 verified."""
+"""ZeRO and tensor parallelism among chapter 05's named strategies: layouts priced by planner.layout.price.
+
+Every number is checked against a literal worked out by hand: the ZeRO paper's bytes per parameter
+(Rajbhandari et al. 2020, sec. 5: 2Ψ + 2Ψ + KΨ/N at stage 1, 2Ψ + (2 + K)Ψ/N at stage 2, K = 12),
+its traffic (sec. 7: 2 passes of (N-1)/N of the 2Ψ fp16 bytes at stages 0-1), and tensor
+parallelism's collectives per block (Megatron-LM's 4 all-reduces, or under sequence parallelism as
+many all-gathers and reduce-scatters, and the backward's re-gather of the two column-parallel inputs).
+"""
 
 import pytest
 
-from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
-from parallel_lib.planner.sharded_tensor import tensor_parallel_option, zero_option
+from parallel_lib.planner.hardware import Links
 from parallel_lib.planner.strategy import PART_ONE, STRATEGIES, plan
-from parallel_lib.sharding.memory import zero_memory, zero_traffic
 
-LLAMA = MODEL_SHAPES["llama-2-7b"]
+PSI = 6_738_415_616  # LLaMA-2-7B's parameters (meta-llama/Llama-2-7b-hf, untied head)
+
+
+def _zero(gpu_gib, **kwargs):
+    return plan("llama-2-7b", 4096, 64, gpu_gib, 8, strategies=("ZeRO",), **kwargs).option("ZeRO")
 
 
 def test_part_one_stays_the_default():
@@ -17,34 +26,51 @@ def test_part_one_stays_the_default():
 def test_zero_takes_the_lowest_stage_that_fits_and_prices_it_with_chapter_06s_formulas():
     option = plan("llama-2-7b", 4096, 64, 80, 8, strategies=STRATEGIES).option("ZeRO")
     assert option.strategy == "ZeRO-1" and option.feasible and not option.recompute
-    assert option.state_bytes == zero_memory(LLAMA.n_params, 8, 1, "bf16")["total"]
-    assert option.allreduce_bytes == zero_traffic(LLAMA.n_params, 8, 1, "bf16")
-    # stage 1 needs 34.5 GiB of state and one 4k sequence 17 GiB of activations: a 48 GiB GPU needs stage 2
-    tighter = zero_option(LLAMA, 4096, 64, 48 * GiB, 8)
-    assert tighter.strategy == "ZeRO-2" and tighter.state_bytes == zero_memory(LLAMA.n_params, 8, 2)["total"]
+    assert option.state_bytes == (2 + 2 + 12 / 8) * PSI == 37_061_285_888  # ZeRO-1 over 8: 5.5 Ψ
+    assert option.allreduce_bytes == 2 * 7 / 8 * 2 * PSI == 23_584_454_656  # a reduce-scatter and an all-gather
+    # stage 1's 34.5 GiB of state and one 4k sequence's 34·s·h x 32 layers = 17 GiB of activations exceed a 48 GiB
+    # GPU: stage 2 (2Ψ + 14Ψ/8 = 3.75 Ψ = 23.5 GiB) does it with one sequence per micro-batch
+    tighter = _zero(48)
+    assert tighter.strategy == "ZeRO-2" and tighter.state_bytes == 3.75 * PSI == 25_269_058_560
+    assert tighter.micro_batches == 8 and tighter.activation_bytes == 34 * 4096 * 4096 * 32
 
 
 def test_zero_recomputes_only_as_the_last_resort():
-    # 18 GiB: ZeRO-3's 12.6 GiB of shards and 2.2 GiB of gathered working set (issue #21: 16 GiB no longer
-    # holds them with a recomputed sequence) + 1.5 GiB of one recomputed 4k sequence fit, its 17 GiB in full do not
-    option = zero_option(LLAMA, 4096, 64, 18 * GiB, 8)
+    # 18 GiB: ZeRO-3's 12.6 GiB of shards and its gathered working set + one micro-batch's recomputed activations
+    # fit; with the 17 GiB of one sequence in full nothing does
+    option = _zero(18)
     assert option.strategy == "ZeRO-3" and option.feasible and option.recompute
-    assert zero_option(LLAMA, 4096, 64, 18 * GiB, 8, recompute=False).feasible is False
+    assert _zero(18, recompute=False).feasible is False
 
 
-def test_zero_needs_ranks_and_an_optimizer():
-    assert not zero_option(LLAMA, 4096, 64, 80 * GiB, 1).feasible
-    assert not zero_option(LLAMA, 4096, 64, 80 * GiB, 8, optimizer=None).feasible
+def test_zero_needs_ranks():
+    assert not plan("llama-2-7b", 4096, 64, 80, 1, strategies=("ZeRO",)).option("ZeRO").feasible
+    assert "one replica" in " ".join(plan("llama-2-7b", 4096, 64, 80, 1, strategies=("ZeRO",)).option("ZeRO").reasons)
 
 
 def test_tensor_parallel_degree_divides_the_heads_and_stays_inside_a_node():
-    option = tensor_parallel_option(LLAMA, 4096, 64, 80 * GiB, 8)
+    option = plan("llama-2-7b", 4096, 64, 80, 8, strategies=STRATEGIES).option("TP×DP")
     assert option.strategy == "TP×DP" and (option.replicas, option.stages) == (4, 2)
-    t, rows, h = 2, 64 // 4, LLAMA.hidden
-    assert option.p2p_bytes == LLAMA.n_layers * 4 * 2 * (t - 1) / t * rows * 4096 * h * 2  # 4 all-reduces per block
-    assert tensor_parallel_option(LLAMA, 4096, 64, 16 * GiB, 64, gpus_per_node=4).stages <= 4
-    xl = MODEL_SHAPES["gpt2-xl (1.5B)"]  # 25 heads: no degree 2..8 divides them and 8 GPUs
-    assert not tensor_parallel_option(xl, 1024, 8, 80 * GiB, 8).feasible
+    assert option.micro_batches == 8  # 16 sequences per replica, 2 per micro-batch
+    # one micro-batch's (s, h) in fp16: S = 2 x 4096 x 4096 x 2 bytes; each all-gather or reduce-scatter over t = 2
+    # sends (t-1)/t S = S/2. Per block 4 forward (2 AG + 2 RS, Megatron's 2 all-reduces) and 6 backward (2 more
+    # all-gathers: the column-parallel inputs SP kept as slices): 5 S. The embedding and head 4 x S/2, the loss 3
+    # all-reduces of 2 x 4096 fp32 values (S' = 32,768 each, 2 x 1/2 x S' sent), and SP's gradient all-reduce of
+    # step_collectives' sequence-parallel parameters, (32 x 6h + 2h + 4096 h) x 2 bytes = 35,143,680 (GPT-2's
+    # norms, biases and position table: for Llama an over-count the tensor-parallel cost module owns)
+    S = 2 * 4096 * 4096 * 2
+    per_micro_batch = 32 * 5 * S + 2 * S + 3 * 32_768 + 35_143_680
+    assert option.p2p_bytes == 8 * per_micro_batch == 87_255_023_616
+    # a tp rank holds half of each block's matrices (2h² + 2h·kv + 3h·ffn = 202,375,168) and both RMSNorm weights
+    # (2h), half the embedding and half the head (32,000 x 4096 each), and the final norm (h)
+    params = 32 * (202_375_168 // 2 + 2 * 4096) + 2 * 32_000 * 4096 // 2 + 4096
+    assert option.priced.params == params == 3_369_340_928
+    # the gradient all-reduce over the 4 replicas of those fp16 gradients: 2 x 3/4 x 2 bytes each
+    assert option.allreduce_bytes == 2 * 3 / 4 * 2 * params == 10_108_022_784
+    small_nodes = plan("llama-2-7b", 4096, 64, 16, 64, strategies=STRATEGIES, links=Links(450e9, 50e9, 4))
+    assert small_nodes.option("TP×DP").stages <= 4
+    xl = plan("gpt2-xl (1.5B)", 1024, 8, 80, 8, strategies=STRATEGIES)  # 25 heads: no degree 2..8 divides them
+    assert not xl.option("TP×DP").feasible
 
 
 @pytest.mark.parametrize("strategies", [(), "ZeRO", ("DP", "FSDP")])

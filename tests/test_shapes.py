@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from parallel_lib.planner.dry_run import meta_model
 from parallel_lib.planner.layout import rank_parameters
 from parallel_lib.planner.published import LLAMA3
-from parallel_lib.tensor_parallel.cost import GPTShape, shard_parameters, training_flops
+from parallel_lib.cost.shape import GPTShape, shape_of
+from parallel_lib.tensor_parallel.cost import shard_parameters, training_flops
 
 
 def _count(model: torch.nn.Module) -> int:
@@ -37,12 +39,7 @@ def test_gpt2_sizes_are_exact(n_layer, n_embd, n_head, published):
                                              ("405B", 405_853_388_800)])
 def test_llama3_sizes_are_exact(name, published):
     shape = LLAMA3[name]
-    config = LlamaConfig(hidden_size=shape.n_embd, intermediate_size=shape.ffn_hidden,
-                         num_hidden_layers=shape.n_layer, num_attention_heads=shape.n_head,
-                         num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab_size,
-                         max_position_embeddings=shape.n_positions, tie_word_embeddings=False)
-    with torch.device("meta"):
-        counted = _count(LlamaForCausalLM(config))
+    counted = _count(meta_model(shape))  # Hugging Face's LlamaForCausalLM on the meta device
     assert counted == shard_parameters(shape, 1) == sum(rank_parameters(shape)) == published
     assert {"8B": round(published / 1e9, 2) == 8.03, "70B": round(published / 1e9, 1) == 70.6,
             "405B": round(published / 1e9) == 406}[name]  # the model cards' figures
@@ -64,3 +61,18 @@ def test_the_flops_formula_is_narayanans_for_gpt_and_counts_swiglu_and_gqa_for_l
     llama = LLAMA3["8B"]  # 6 FLOPs per parameter and token in the matrices, plus attention's 12·s·h per layer
     matrices = shard_parameters(llama, 1) - 128_256 * 4096 - 32 * 2 * 4096 - 4096  # less the embedding and norms
     assert training_flops(llama, 1, 4096) == 6 * 4096 * matrices + 12 * 4096 * 4096 * 32 * 4096
+
+
+@pytest.mark.parametrize("name, published", [
+    ("gpt2 (124M)", 124_439_808), ("gpt2-xl (1.5B)", 1_557_611_200),
+    ("llama-2-7b", 6_738_415_616), ("llama-2-13b", 13_015_864_320), ("llama-2-70b", 68_976_648_192)])
+def test_the_registry_counts_each_published_checkpoint(name, published):
+    """Parameter counts as the Hugging Face checkpoints hold them (LLaMA-2: Touvron et al. 2023, table 1)."""
+    shape = shape_of(name)
+    counted = _count(meta_model(shape))  # GPT2LMHeadModel or LlamaForCausalLM on the meta device
+    assert counted == shape.parameters() == published
+
+
+def test_an_unknown_model_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="llama-3-8b"):
+        shape_of("llama-3-9b")

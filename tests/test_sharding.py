@@ -18,8 +18,10 @@ import pytest
 import torch
 from torch import nn
 
+from parallel_lib.data_parallel.buckets import make_buckets
 from parallel_lib.runtime import launch
-from parallel_lib.sharding import FlatParamGroup, ZeroEngine, make_buckets, padded_numel, shard_owner
+from parallel_lib.sharding import FlatParamGroup, ZeroEngine, padded_numel, shard_owner
+from parallel_lib.sharding.grouping import flat_groups
 from parallel_lib.sharding.memory import megatron_bytes_per_param, zero_memory, zero_paper_table, zero_traffic
 from parallel_lib.training import (Plan, RunConfig, build_model, plain_checkpoint, reference, reference_checkpoint,
                                    train)
@@ -53,6 +55,19 @@ def test_a_flat_group_makes_parameters_views_of_one_padded_buffer():
     assert [[p.numel() for p in bucket] for bucket in buckets] == [[3, 3], [5, 1]]
     with pytest.raises(ValueError, match="distinct parameters"):
         FlatParamGroup([w, w], world_size=2, rank=0)
+
+
+def test_a_zero_bucket_never_mixes_devices():
+    """ZeRO's buckets follow DDP's rule (one dtype and one device per flat buffer): a model split over two
+    devices gets a bucket per device. ZeRO's own bucketer used to look at the dtype only, and the flat
+    group of the mixed bucket then refused to be built."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    groups = flat_groups(model, 1, [], bucket_cap_bytes=2**20)
+    assert [[p.device.type for p in bucket] for bucket in groups.params] == [["meta", "meta"], ["cpu", "cpu"]]
+    buckets = make_buckets([torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, device="meta")], 64)
+    assert [len(bucket) for bucket in buckets] == [1, 1, 1]
+    with pytest.raises(ValueError, match="cap_bytes must be an int >= 0"):
+        make_buckets([torch.zeros(2)], -1)
 
 
 def test_the_formulas_reproduce_the_zero_papers_table_and_megatrons():

@@ -22,15 +22,16 @@ from dataclasses import replace
 import pytest
 import torch
 
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
 from parallel_lib.runtime import launch
 from parallel_lib.runtime.collectives import ring_wire_bytes
 from parallel_lib.sharding.memory import zero_traffic
-from parallel_lib.tensor_parallel.cost import GPTShape, shard_parameters, step_collectives
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import shard_parameters, step_collectives
 from parallel_lib.training import Plan, RunConfig, reference, train_many
 from parallel_lib.training.layouts import job_step_times, max_difference, measure_layout, split_fields, \
     summarize_layout
 from parallel_lib.training.run import check_layout
-from parallel_lib.training.tp_stage import stage_blocks
 from parallel_lib.training.traffic import dp_groups, expected_traffic, owned_parameters, stage_parameters, \
     state_bytes, wire_bytes
 
@@ -88,20 +89,41 @@ def test_a_field_of_neither_plan_nor_run_is_named():
         split_fields(momentum=0.9)
 
 
+# Worked out by hand for SHAPE (L = 4 blocks, h = 32, V = 64, 128 positions). One block's values on a tp rank:
+# ln_1 and ln_2 2h each, c_attn 3h² + 3h and the MLP's c_fc 4h² + 4h split by t, the two projections h² and
+# 4h² split with their biases h whole: (12h² + 7h)/t + 6h = 12,512/t + 192, so 12,704 (t = 1), 6,448 (t = 2),
+# 3,320 (t = 4). The first stage adds its slice of the token embedding V·h/t = 2,048/t and the positions
+# 128·h = 4,096; the last ln_f 2h = 64 and, with pp > 1, its own copy of the embedding slice 2,048/t.
+STAGE_PARAMETERS = {
+    (1, 1): [57_024],                   # 4 · 12,704 + 2,048 + 4,096 + 64
+    (2, 1): [30_976],                   # 4 · 6,448 + 1,024 + 4,096 + 64
+    (2, 2): [18_016, 13_984],           # 2 · 6,448 + 1,024 + 4,096 | 2 · 6,448 + 64 + 1,024
+    (4, 4): [7_928, 3_320, 3_320, 3_896],  # 3,320 + 512 + 4,096 | 3,320 | 3,320 | 3,320 + 64 + 512
+}
+# chapter 07's step on a tp > 1 rank, rows = 2 sequences of 8 tokens: activations b·s·h·4 = 2,048 bytes; 4 blocks x
+# 4 all-reduces of them (2 forward, 2 backward), the embedding's g and the head's f (2 more), and the loss's 3
+# all-reduces of b·s floats (64 bytes): 21 calls, 16 · 2,048 + 2 · 2,048 + 3 · 64 = 37,056 bytes per micro-batch
+TP_STEP = {"all_reduce": (21, 37_056)}
+
+
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (2, 2), (4, 4)])
 def test_stage_formulas_add_up_to_chapter_07s(tp, pp):
     blocks = [len(b) for b in stage_blocks(SHAPE.n_layer, pp)]
     params = [stage_parameters(SHAPE, tp, blocks[j], j == 0, j == pp - 1, pp) for j in range(pp)]
     head_copy = SHAPE.vocab_size * SHAPE.n_embd // tp if pp > 1 else 0
-    assert sum(params) == shard_parameters(SHAPE, tp) + head_copy
+    assert params == STAGE_PARAMETERS[tp, pp]
+    assert shard_parameters(SHAPE, tp) + head_copy == sum(STAGE_PARAMETERS[tp, pp])
     # ZeRO's flat groups hold every value of the stage once (dp = 1: no padding)
     for zero in range(4):
-        assert [sum(dp_groups(SHAPE, tp, blocks[j], j == 0, j == pp - 1, pp, zero, 1)) for j in range(pp)] == params
+        assert [sum(dp_groups(SHAPE, tp, blocks[j], j == 0, j == pp - 1, pp, zero, 1)) for j in range(pp)] == \
+            STAGE_PARAMETERS[tp, pp]
     m, rows = 3, 2  # the stages' collectives of m micro-batches are chapter 07's step, m times
     per_stage = [expected_traffic(SHAPE, 1, tp, pp, j, blocks[j], m, rows, 8)["tp"] for j in range(pp)]
-    whole = step_collectives(SHAPE, rows, 8, tp)
+    whole = TP_STEP if tp > 1 else {}
+    assert step_collectives(SHAPE, rows, 8, tp) == whole
     assert {k: tuple(sum(s[k][i] for s in per_stage) for i in (0, 1)) for k in whole} == \
         {k: (m * c, m * b) for k, (c, b) in whole.items()}
+    assert {k for s in per_stage for k in s} == set(whole)  # and no other collective
 
 
 def test_the_dp_formula_refuses_zero_3_with_recomputation():
@@ -180,9 +202,11 @@ def test_the_planner_gets_the_slowest_step_the_fullest_rank_and_the_busiest_send
     assert (plan.dp, plan.tp, plan.pp, plan.zero, plan.micro_batches) == (2, 2, 2, 0, 2)  # what the numbers below use
     step_seconds, state, traffic, _ = summarize_layout(results, warmup=1)
     assert step_seconds == job_step_times(results)[1] == max(r.record.step_times[1] for r in results)
-    groups = [dp_groups(SHAPE, 2, 2, j == 0, j == 1, 2, 0, 2) for j in range(2)]
-    assert state == max(state_bytes(g, 0, 2) for g in groups)  # the embedding's stage
-    assert traffic["dp"] == max(2 * (2 - 1) / 2 * 4 * sum(g) for g in groups)
+    # the embedding's stage holds 18,016 values (STAGE_PARAMETERS[2, 2]) in 2 flat groups (the tied slice, the
+    # rest): 16 bytes each at ZeRO-0 in fp32 (parameter, gradient, AdamW's two moments) and AdamW's step count
+    # per group, 18,016 · 16 + 2 · 4 = 288,264 bytes; its ring all-reduce sends 2 (2 - 1)/2 · 4 · 18,016 = 72,064
+    assert state == 288_264
+    assert traffic["dp"] == 72_064
     assert traffic["pp"] == 2 * 2 * 8 * 32 * 4  # m=2 micro-batches of (2, 8, 32), one each way
 
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from parallel_lib.common.models import build_gpt2
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.data_parallel.ring import fit_allreduce_cost
 from parallel_lib.runtime.collectives import count_collectives
 from parallel_lib.tensor_parallel.convert import tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
-from parallel_lib.tensor_parallel.batches import saved_activation_bytes
 
 __all__ = ["Run", "IMPLEMENTATIONS", "timed_steps", "allreduce_fit", "measure_all"]
 
@@ -61,13 +61,14 @@ def timed_steps(rank: int, world_size: int, impl: str, name: str, vocab: int, ov
         start = time.perf_counter()
         with count_collectives() as counter:
             optimizer.zero_grad(set_to_none=True)
-            logits, saved = saved_activation_bytes(model, ids, None)
+            with SavedTensors(model) as saved:
+                logits = model(ids, None)
             loss = model.loss(logits, labels, weights)  # the head's: vocabulary-parallel or whole
             loss.backward()
             sync_sequence_parallel_grads(model)
             optimizer.step()
         times.append(time.perf_counter() - start)
-        activations, wire = saved, counter.wire_bytes()
+        activations, wire = saved.nbytes, counter.wire_bytes()
     median = torch.tensor(statistics.median(times[warmup:]))
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()) * 4

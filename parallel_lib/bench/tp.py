@@ -27,7 +27,8 @@ from parallel_lib.common.models import gpt2_config
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
-from parallel_lib.tensor_parallel.cost import NVLINK_H100, GPTShape, crossover_width, step_seconds, training_flops
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import NVLINK_H100, crossover_width, step_seconds, training_flops
 
 __all__ = ["Config", "QUICK", "SWEEP", "Results", "measure", "sweep_series", "markdown", "main"]
 

@@ -2,10 +2,11 @@
 argument checks and markdown tables.
 """
 
-from parallel_lib.common.activations import ActivationStep, SavedTensors, measure_step_activations, set_recomputation
+from parallel_lib.common.activations import ActivationStep, measure_step_activations, set_recomputation
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
 from parallel_lib.common.machine_speed import MachineSpeed, measure_machine_speed
 from parallel_lib.common.models import GPT2_SIZES, build_gpt2, count_parameters, gpt2_config
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.common.tables import markdown_table
 from parallel_lib.common.timeline import (
     DeviceClock,

@@ -1,12 +1,9 @@
-"""Activation memory, counted: the bytes autograd keeps for the backward pass.
+"""Activation memory of a training step, measured: recomputation on or off, micro-batches accumulated.
 
-Process RSS on a CPU counts everything (the interpreter, torch's caches, the data), and
-``torch.cuda.max_memory_allocated`` exists only on GPUs. What training memory formulas call
-"activations" is exactly what autograd saves during forward to use in backward, and autograd
-lets us see each of those tensors as it is saved (``torch.autograd.graph.saved_tensors_hooks``).
-:class:`SavedTensors` adds up their storages, each storage once, leaving out the parameters
-(saved by every matrix multiply for the input gradient, but counted as weights, not
-activations). The same count on any device, exact to the byte.
+:func:`measure_step_activations` runs forward and backward of a Hugging Face model over
+micro-batches and reports the largest micro-batch's activations, counted by the tensor census
+of saved tensors (:class:`~parallel_lib.common.saved_tensors.SavedTensors`), and the time;
+:func:`set_recomputation` turns the blocks' activation recomputation on or off.
 """
 
 from __future__ import annotations
@@ -14,67 +11,14 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["SavedTensors", "set_recomputation", "ActivationStep", "measure_step_activations"]
+from parallel_lib.common.saved_tensors import SavedTensors
 
-
-class SavedTensors:
-    """Context manager: bytes of the tensors autograd saves for backward inside the block.
-
-    Example::
-
-        with SavedTensors(model) as saved:
-            loss = model(input_ids=ids, labels=ids).loss
-        print(saved.nbytes)  # activations held until loss.backward()
-
-    Args:
-        exclude: modules or parameters whose storages are not activations (usually the model).
-
-    Attributes:
-        nbytes: bytes of distinct storages saved (views of one storage count once).
-        count: number of tensors saved (a storage saved twice counts twice here).
-    """
-
-    def __init__(self, exclude: Optional[Iterable[nn.Module | torch.Tensor] | nn.Module] = None):
-        if isinstance(exclude, nn.Module):
-            exclude = [exclude]
-        self._excluded: set[int] = set()
-        for item in exclude or ():
-            if isinstance(item, nn.Module):
-                tensors = list(item.parameters()) + list(item.buffers())
-            elif isinstance(item, torch.Tensor):
-                tensors = [item]
-            else:
-                raise TypeError(f"exclude must hold modules or tensors, got {type(item).__name__}")
-            self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
-        self._storages: dict[int, int] = {}
-        self.count = 0
-        self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._storages.values())
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._excluded:
-            self._storages[storage.data_ptr()] = storage.nbytes()
-            self.count += 1
-        return tensor
-
-    def __enter__(self) -> "SavedTensors":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._hooks is not None
-        self._hooks.__exit__(*exc)
-        self._hooks = None
+__all__ = ["set_recomputation", "ActivationStep", "measure_step_activations"]
 
 
 def set_recomputation(model: nn.Module, enabled: bool = True) -> None:
@@ -82,7 +26,7 @@ def set_recomputation(model: nn.Module, enabled: bool = True) -> None:
 
     With it on, each transformer block keeps only its input during forward and runs its forward
     again inside backward (``torch.utils.checkpoint``). The re-entrant variant is used so the
-    block inputs it keeps pass through autograd's saved-tensor hooks, where :class:`SavedTensors`
+    block inputs it keeps pass through autograd's saved-tensor hooks, where :class:`~parallel_lib.common.saved_tensors.SavedTensors`
     counts them (the non-re-entrant one keeps them out of sight of an outer hook).
     """
     if not hasattr(model, "gradient_checkpointing_enable"):

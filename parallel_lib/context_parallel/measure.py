@@ -5,7 +5,7 @@ length it runs one attention forward and backward (q, k, v of ``batch Ã— heads Ã
 causal, fp32) and records, per rank:
 
 - ``saved_bytes``: what autograd keeps for backward beyond q, k, v (the census,
-  :class:`~parallel_lib.common.activations.SavedTensors`), beside :func:`.cost.attention_saved_bytes`;
+  :class:`~parallel_lib.common.saved_tensors.SavedTensors`), beside :func:`.cost.attention_saved_bytes`;
 - ``seconds``: the median wall time of forward plus backward;
 - ``tiles`` and ``entries``: the attention tiles, and the score entries in them, computed
   forward (:class:`.tiled.TileWork`): the work; ``compute_seconds``: the time of those tiles alone
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from parallel_lib.common.activations import SavedTensors
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.common.checks import positive_int
 from parallel_lib.context_parallel.layout import shard_sequence
 from parallel_lib.context_parallel.ring import _Ring, ring_attention

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel_lib.common.activations import SavedTensors
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.common.checks import positive_int
 
 __all__ = ["TileWork", "full_attention", "tiled_forward", "tiled_backward", "tiled_attention",

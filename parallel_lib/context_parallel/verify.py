@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel_lib.common.activations import SavedTensors
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.common.checks import check_choice
 from parallel_lib.context_parallel.cost import METHODS
 from parallel_lib.context_parallel.layout import LAYOUTS, gather_sequence, shard_sequence

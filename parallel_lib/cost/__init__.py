@@ -9,6 +9,9 @@ counter of a real run.
   and link speeds in GB (10**9 bytes).
 - :mod:`.alpha_beta`: the time of one collective, ``hops·α + wire_bytes/β``, and its fit to measured
   times (chapter 02's all-reduce, the planner's calibration and chapter 11's ring share it).
+- :mod:`.activation`: the activations a GPT block keeps for backward, Korthikanti et al. 2022's
+  ``s·b·h·(34 + 5as/h)`` split by tensor and sequence parallelism, with full recomputation (chapters 03
+  and 07 and the planner read it; the tensor census checks it byte for byte).
 - :mod:`.kv_cache`: the KV cache's bytes, ``2 · layers · kv_heads · head_dim · tokens · bytes`` (chapters 03,
   09 and 13 and the serving calculator read it).
 - :mod:`.zero`: ZeRO's model state per rank (ZeRO-3's gathered working set included, DeepSpeed's
@@ -17,6 +20,7 @@ counter of a real run.
   model state per GPU with experts over ``ep``, the all-to-all bytes of expert parallelism.
 """
 
+from parallel_lib.cost.activation import activation_bytes
 from parallel_lib.cost.alpha_beta import (KINDS, AlphaBeta, allreduce_cost, fit_allreduce_cost,
                                           fit_alpha_beta, hops, ring_wire_bytes, wire_bytes)
 from parallel_lib.cost.kv_cache import kv_bytes
@@ -36,7 +40,7 @@ from parallel_lib.cost.zero import (
     zero_traffic,
 )
 
-__all__ = ["KINDS", "AlphaBeta", "allreduce_cost", "fit_allreduce_cost", "fit_alpha_beta", "hops",
+__all__ = ["activation_bytes", "KINDS", "AlphaBeta", "allreduce_cost", "fit_allreduce_cost", "fit_alpha_beta", "hops",
            "ring_wire_bytes", "wire_bytes", "kv_bytes", "KiB", "MiB", "GiB", "GB", "BYTES_PER_PARAM", "zero_memory", "zero_passes", "zero_traffic",
            "zero_collectives", "zero_paper_table", "megatron_bytes_per_param", "zero3_working_set",
            "deepspeed_estimate", "fsdp_shard_numel", "MoEShape", "MIXTRAL_8X7B", "DEEPSEEK_V3", "gpt2_moe_shape",

@@ -7,6 +7,7 @@ and the ``torchrun`` line of a multi-node job. Training with them is the one tra
 """
 
 from parallel_lib.data_parallel.allreduce import BucketedAllReduce, average_gradients, grad_or_zeros
+from parallel_lib.data_parallel.buckets import make_buckets
 from parallel_lib.data_parallel.ring import (
     Phase,
     RingStep,
@@ -28,6 +29,7 @@ from parallel_lib.data_parallel.scaleout import format_command, torchrun_command
 __all__ = [
     "grad_or_zeros",
     "average_gradients",
+    "make_buckets",
     "BucketedAllReduce",
     "Phase",
     "Transfer",

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lib.common.timeline import Stamp, TimelineRecorder
+from parallel_lib.data_parallel.buckets import make_buckets
 from parallel_lib.data_parallel.ring import require_process_group
 
 __all__ = ["grad_or_zeros", "average_gradients", "BucketedAllReduce"]
@@ -89,7 +90,8 @@ class BucketedAllReduce:
 
     Args:
         model: the replica; its parameters are bucketed in reverse registration
-            order, roughly the order in which backward produces their gradients.
+            order, roughly the order in which backward produces their gradients
+            (:func:`~parallel_lib.data_parallel.buckets.make_buckets`).
         bucket_cap_mb: largest bucket in megabytes (2**20 bytes); a parameter larger
             than the cap gets a bucket of its own.
         overlap: launch each bucket from gradient hooks as soon as it is full.
@@ -133,26 +135,11 @@ class BucketedAllReduce:
         self._wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
         self.recorder = recorder
         self.steps = 0  # completed synchronize calls
-        self.buckets = self._make_buckets(params, int(bucket_cap_mb * 2**20))
+        self.buckets = [_Bucket(g, torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device))
+                        for g in make_buckets(params, int(bucket_cap_mb * 2**20))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
                        if overlap else [])
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
-            if same_kind and size + nbytes <= cap_bytes:
-                groups[-1].append(p)
-                size += nbytes
-            else:
-                groups.append([p])
-                size = nbytes
-        return [_Bucket(g, torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device))
-                for g in groups]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         """Gradient hook: ``param.grad`` is final for this backward; launch its bucket once full."""

@@ -13,7 +13,7 @@ from typing import Any
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Priced, StepCost
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 __all__ = ["SHAPE", "SEQ", "GPU", "calibration_and_cost", "as_grid", "slower_hint"]
 

@@ -27,7 +27,8 @@ from parallel_lib.exercises._core import (
     same_number,
     show,
 )
-from parallel_lib.model_parallel.memory import MODEL_SHAPES, training_memory
+from parallel_lib.cost.shape import SHAPES
+from parallel_lib.model_parallel.memory import training_memory
 from parallel_lib.planner.strategy import fewest_stages, plan
 
 __all__ = ["check_bytes_per_device", "check_plan_parallelism", "check_ring_exchange_order", "replay_blocking",
@@ -80,7 +81,7 @@ def _per_device_hint(args: tuple, got: Any) -> str:
 
 def check_bytes_per_device(fn: Any) -> CheckResult:
     """Check ``bytes_per_device(n_params, pipeline_stages, data_replicas)`` against ``training_memory``."""
-    n_7b = MODEL_SHAPES["llama-2-7b"].n_params
+    n_7b = SHAPES["llama-2-7b"].parameters()
     shapes = [(1_000_000_000, 1, 1), (1_000_000_000, 4, 1), (1_000_000_000, 1, 8), (n_7b, 2, 4), (n_7b, 8, 1)]
     cases = [Case(shape, training_memory(shape[0], *_MIXED_ADAM).per_device(shape[1])) for shape in shapes]
     return check_function("bytes_per_device", fn, "bytes_per_device", cases, normalise=as_number,
@@ -103,7 +104,7 @@ class _Fits:
 def _planner_case(model: str, seq_len: int, batch_size: int, gpu_gib: float, n_gpus: int) -> Case:
     chosen = plan(model, seq_len, batch_size, gpu_gib, n_gpus)  # the chapter's planner: its answer is the key
     label = f"{model}, {batch_size} x {seq_len} tokens, {n_gpus} x {gpu_gib:g} GiB"
-    return Case((_Fits(label, chosen.fits), n_gpus, MODEL_SHAPES[model].n_layers), chosen.layout)
+    return Case((_Fits(label, chosen.fits), n_gpus, SHAPES[model].n_layer), chosen.layout)
 
 
 def _made_up_case(label: str, test: Callable[[int, int], bool], n_gpus: int, n_layers: int) -> Case:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from parallel_lib.cost.shape import GPTShape
 from parallel_lib.exercises._core import (Case, CheckResult, Exercise, as_int, as_number, check_function, check_value,
                                          solution)
 from parallel_lib.exercises.ch09_decode import (CACHE_STEP_STUB, GQA_DECODE_STUB, check_cache_step,
                                                 check_gqa_decode_step)
 from parallel_lib.inference.cost_model import Hardware, Workload, predict
 from parallel_lib.inference.serving_memory import kv_cache_bytes
-from parallel_lib.model_parallel.layer_memory import DecoderShape
 
 __all__ = ["check_largest_batch", "check_gqa_decode_step", "check_cache_step", "check_pipeline_throughput",
            "EXERCISES"]
@@ -36,8 +36,8 @@ PIPELINE_STUB = '''\
 PIPELINE_THROUGHPUT = None  # your answer: (tokens per t at 1 request, tokens per t at 4 requests)
 '''
 
-def _kv_shape(n_layers: int, n_heads: int, kv_heads: int, head_dim: int) -> DecoderShape:
-    return DecoderShape(1, n_heads * head_dim, n_layers, 4 * n_heads * head_dim, n_heads, kv_heads, False)
+def _kv_shape(n_layers: int, n_heads: int, kv_heads: int, head_dim: int) -> GPTShape:
+    return GPTShape(n_layers, n_heads * head_dim, n_heads, 1, 1, kv_heads=kv_heads)
 
 
 def _largest(budget: int, n_layers: int, n_heads: int, kv_heads: int, head_dim: int, seq_len: int, width: int,
@@ -76,7 +76,7 @@ def check_largest_batch(fn: Any) -> CheckResult:
 
 def _pipeline_reference() -> tuple[float, float]:
     """Tokens per unit step time of a 2-stage pipeline at 1 and 4 requests, from the cost model itself."""
-    shape = DecoderShape(8, 64, 2, 256, 1, 1, True, 8)
+    shape = GPTShape(2, 64, 1, 8, 8)  # 2 layers of width 64, one head, 8 tokens, 8 positions
     # compute and memory free, hand-overs free, one time unit per stage step (one layer per stage)
     hw = Hardware("unit stages", 1e30, 1e30, 0.0, 1e30, 0.0, overhead=1.0)
     return tuple(c / predict(shape, "pp", 2, Workload(1, 2, c), hw).tpot for c in (1, 4))  # type: ignore[return-value]

@@ -25,9 +25,9 @@ def check_grid3d(n_gpus: int, quick: bool = False) -> str:
     """Chapter 10: the 3D plan on ``n_gpus`` ranks; parameters vs one process, every axis's bytes and the census
     vs the formulas."""
     from parallel_lib.common.models import gpt2_config
-    from parallel_lib.tensor_parallel.cost import GPTShape
+    from parallel_lib.cost.shape import GPTShape
     from parallel_lib.training import RunConfig, job_step_times, max_difference, reference, train_3d
-    from parallel_lib.training.tp_stage import stage_blocks
+    from parallel_lib.pipeline_parallel.microbatch import stage_blocks
     from parallel_lib.training.traffic import dp_groups, expected_traffic, state_bytes
 
     dp, tp, pp = grid_for(n_gpus)

@@ -36,7 +36,8 @@ from typing import Any, Optional, Sequence
 from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
 from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.inference.serving_memory import STRATEGIES, as_shape, kv_cache_bytes, serving_memory
-from parallel_lib.model_parallel.layer_memory import DecoderShape, layer_parameters
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.model_parallel.layer_memory import layer_parameters
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, GiB
 
 __all__ = ["Hardware", "GPUS", "hardware_from_speed", "Workload", "Prediction", "matmul_parameters",
@@ -123,14 +124,14 @@ def matmul_parameters(model: Any) -> int:
     """
     s = as_shape(model)
     layers = layer_parameters(s)
-    return sum(n for _, n in layers[1:-1]) + s.vocab * s.hidden
+    return sum(n for _, n in layers[1:-1]) + s.vocab_size * s.n_embd
 
 
 def forward_flops(model: Any, tokens: int, context: float) -> float:
     """FLOPs of one forward over ``tokens`` new tokens that attend to ``context`` tokens on average:
     ``2 · matmul params · tokens`` plus attention's ``4 · layers · hidden · context`` per token."""
     s = as_shape(model)
-    return 2.0 * matmul_parameters(s) * tokens + 4.0 * s.n_layers * s.hidden * context * tokens
+    return 2.0 * matmul_parameters(s) * tokens + 4.0 * s.n_layer * s.n_embd * context * tokens
 
 
 def forward_bytes(model: Any, batch: int, context: float, dtype: str = "fp32") -> float:
@@ -145,19 +146,19 @@ def step_seconds(hw: Hardware, flops: float, nbytes: float, layers: float) -> fl
     return max(flops / hw.flops_per_second, nbytes / hw.bytes_per_second) + layers * hw.overhead
 
 
-def _hop(hw: Hardware, tokens: int, s: DecoderShape, width: int) -> float:
+def _hop(hw: Hardware, tokens: int, s: GPTShape, width: int) -> float:
     """Handing ``tokens`` hidden states to the next device."""
-    return hw.link_latency + tokens * s.hidden * width / hw.link_bandwidth
+    return hw.link_latency + tokens * s.n_embd * width / hw.link_bandwidth
 
 
-def _phase(hw: Hardware, s: DecoderShape, w: Workload, batch: int, prefill: bool, split: int = 1) -> float:
+def _phase(hw: Hardware, s: GPTShape, w: Workload, batch: int, prefill: bool, split: int = 1) -> float:
     """One forward of the whole model for ``batch`` requests, its work divided over ``split`` devices
     (the overhead is not: every tensor-parallel rank runs every layer)."""
     tokens = batch * (w.prompt if prefill else 1)
     context = w.prompt / 2 if prefill else w.prompt + w.new_tokens / 2  # average over the phase
     flops = forward_flops(s, tokens, context)
     nbytes = forward_bytes(s, batch, 0 if prefill else context, w.dtype)
-    return step_seconds(hw, flops / split, nbytes / split, s.n_layers)
+    return step_seconds(hw, flops / split, nbytes / split, s.n_layer)
 
 
 def predict(model: Any, strategy: str, n_devices: int, workload: Workload, hw: Hardware) -> Prediction:
@@ -198,9 +199,9 @@ def predict(model: Any, strategy: str, n_devices: int, workload: Workload, hw: H
                       peak <= hw.memory_bytes if hw.memory_bytes else None)
 
 
-def _tp_collectives(hw: Hardware, s: DecoderShape, tokens: int, n: int, width: int) -> float:
+def _tp_collectives(hw: Hardware, s: GPTShape, tokens: int, n: int, width: int) -> float:
     """Two all-reduces of the ``tokens × hidden`` activations per layer (after attention and after the MLP)."""
-    return 2 * s.n_layers * allreduce_cost(tokens * s.hidden * width, n, hw.link_bandwidth, hw.link_latency)
+    return 2 * s.n_layer * allreduce_cost(tokens * s.n_embd * width, n, hw.link_bandwidth, hw.link_latency)
 
 
 def calibrate_overhead(model: Any, hw: Hardware, measured_tpot: float, workload: Workload) -> Hardware:
@@ -214,7 +215,7 @@ def calibrate_overhead(model: Any, hw: Hardware, measured_tpot: float, workload:
     s = as_shape(model)
     bare = replace(hw, overhead=0.0)
     roof = _phase(bare, s, workload, workload.concurrency, False)
-    return replace(hw, overhead=max(measured_tpot - roof, 0.0) / s.n_layers)
+    return replace(hw, overhead=max(measured_tpot - roof, 0.0) / s.n_layer)
 
 
 def tp_crossover_width(hw: Hardware, n_layers: int, batch: int, context: int, tp: int = 2,
@@ -230,7 +231,7 @@ def tp_crossover_width(hw: Hardware, n_layers: int, batch: int, context: int, tp
     workload = Workload(prompt=positive_int("context", context), new_tokens=1, concurrency=positive_int("batch", batch),
                         dtype=dtype)
     for h in widths or range(64 * tp, 8193, 64 * tp):
-        shape = DecoderShape(vocab, h, n_layers, 4 * h, max(tp, h // 64), max(tp, h // 64), True, context + 1)
+        shape = GPTShape(n_layers, h, max(tp, h // 64), vocab, context + 1)
         one = predict(shape, "single", 1, workload, hw).tpot
         many = predict(shape, "tp", tp, workload, hw).tpot
         if many < one:

@@ -111,9 +111,8 @@ class KVCache:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def bytes_per_token(self) -> int:
-        """Bytes one more slot of one row costs: ``2 · layers · heads · head_dim · itemsize``."""
-        t = self.k[self.layers[0]]
-        return 2 * len(self.layers) * self.heads * self.head_dim * t.element_size()
+        """Bytes one more slot of one row costs: ``2 · layers · heads · head_dim · itemsize`` (:func:`kv_bytes`)."""
+        return kv_bytes(len(self.layers), self.heads, self.head_dim, 1, self.k[self.layers[0]].element_size())
 
     def __repr__(self) -> str:
         t = self.k[self.layers[0]]

@@ -18,22 +18,24 @@ mp, pp    its layers (whole layers, chapter 03's map)  its layers, every request
 tp        1/t of every matrix, norms whole            its KV heads (1/t), every request
 ========  ==========================================  =================================
 
-Published shapes come from :data:`~parallel_lib.model_parallel.layer_memory.DECODER_SHAPES`; the
-course's GPT-2 sizes from :func:`decoder_shape`. Sizes in bytes; "80 GB" cards hold 80 GiB.
+Models are the course's one shape, :class:`~parallel_lib.cost.shape.GPTShape`: a published name from
+:data:`~parallel_lib.cost.shape.SHAPES`, a shape, or a course model's ``GPT2Config`` (:func:`as_shape`).
+Sizes in bytes; "80 GB" cards hold 80 GiB.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from parallel_lib.common.checks import check_choice, check_int, positive_int, positive_number
 from parallel_lib.cost.kv_cache import kv_bytes
+from parallel_lib.cost.shape import SHAPES, GPTShape, shape_of
 from parallel_lib.model_parallel.device_map import get_device_map
-from parallel_lib.model_parallel.layer_memory import DECODER_SHAPES, DecoderShape, device_bytes, layer_parameters
+from parallel_lib.model_parallel.layer_memory import device_bytes
 from parallel_lib.model_parallel.memory import DTYPE_BYTES, GiB
 
-__all__ = ["STRATEGIES", "decoder_shape", "as_shape", "kv_heads_per_rank", "kv_cache_bytes", "weights_per_device",
+__all__ = ["STRATEGIES", "as_shape", "kv_heads_per_rank", "kv_cache_bytes", "weights_per_device",
            "ServingMemory", "serving_memory", "max_concurrent_requests", "GiB", "check_memory_bytes"]
 
 STRATEGIES = ("single", "dp", "mp", "pp", "tp")
@@ -55,23 +57,20 @@ def check_memory_bytes(name: str, value: Any) -> float:
     return number
 
 
-def decoder_shape(config: Any) -> DecoderShape:
-    """The :class:`DecoderShape` of a Hugging Face ``GPT2Config`` (the course's models)."""
-    h = int(config.n_embd)
-    inner = int(getattr(config, "n_inner", None) or 4 * h)
-    return DecoderShape(int(config.vocab_size), h, int(config.n_layer), inner, int(config.n_head),
-                        int(config.n_head), True, int(config.n_positions))
+def as_shape(model: Any) -> GPTShape:
+    """A :class:`~parallel_lib.cost.shape.GPTShape` from a published name, a shape or a ``GPT2Config``.
 
+    A config's ``n_inner`` (the MLP's width, 4h when None) is kept.
 
-def as_shape(model: Any) -> DecoderShape:
-    """A :class:`DecoderShape` from a published name, a shape or a ``GPT2Config``."""
-    if isinstance(model, DecoderShape):
-        return model
-    if isinstance(model, str):
-        return DECODER_SHAPES[check_choice("model", model, DECODER_SHAPES)]
-    if all(hasattr(model, k) for k in ("n_embd", "n_layer", "n_head", "vocab_size")):
-        return decoder_shape(model)
-    raise TypeError(f"model must be a name in {sorted(DECODER_SHAPES)}, a DecoderShape or a GPT2Config, "
+    Raises:
+        ValueError: a name that is not in :data:`~parallel_lib.cost.shape.SHAPES`.
+        TypeError: neither a name, a shape nor a config.
+    """
+    if isinstance(model, (str, GPTShape)):
+        return shape_of(model)
+    if all(hasattr(model, k) for k in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")):
+        return replace(GPTShape.of(model), ffn_hidden=int(getattr(model, "n_inner", None) or 0))
+    raise TypeError(f"model must be a name in {sorted(SHAPES)}, a GPTShape or a GPT2Config, "
                     f"got {type(model).__name__}")
 
 
@@ -85,11 +84,12 @@ def kv_heads_per_rank(model: Any, tp: int) -> int:
         ValueError: tp does not divide the query heads, or neither of tp and kv_heads divides the other.
     """
     s, tp = as_shape(model), positive_int("tp", tp)
-    if s.n_heads % tp or (s.kv_heads % tp and tp % s.kv_heads):
-        good = [t for t in range(1, s.n_heads + 1) if not s.n_heads % t and not (s.kv_heads % t and t % s.kv_heads)]
-        raise ValueError(f"tp={tp} must divide n_heads={s.n_heads} and divide or be a multiple of "
-                         f"kv_heads={s.kv_heads}; choose tp among {good}")
-    return max(s.kv_heads // tp, 1)
+    heads, kv = s.n_head, s.kv_heads or s.n_head
+    if heads % tp or (kv % tp and tp % kv):
+        good = [t for t in range(1, heads + 1) if not heads % t and not (kv % t and t % kv)]
+        raise ValueError(f"tp={tp} must divide n_heads={heads} and divide or be a multiple of "
+                         f"kv_heads={kv}; choose tp among {good}")
+    return max(kv // tp, 1)
 
 
 def kv_cache_bytes(model: Any, tokens: int, dtype: str = "fp16", tp: int = 1, layers: int | None = None) -> int:
@@ -100,32 +100,28 @@ def kv_cache_bytes(model: Any, tokens: int, dtype: str = "fp16", tp: int = 1, la
     """
     s = as_shape(model)
     tokens = check_int("tokens", tokens, minimum=0)
-    layers = s.n_layers if layers is None else check_int("layers", layers, minimum=0, maximum=s.n_layers)
+    layers = s.n_layer if layers is None else check_int("layers", layers, minimum=0, maximum=s.n_layer)
     width = DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
-    return kv_bytes(layers, kv_heads_per_rank(s, tp), s.head_dim, tokens, width)
+    return kv_bytes(layers, kv_heads_per_rank(s, tp), s.n_embd // s.n_head, tokens, width)
 
 
-def _tp_parameters(s: DecoderShape, tp: int, vocab_parallel: bool = True) -> int:
-    """Parameters one tensor-parallel rank holds: matrices and column biases /t, vocabulary /t
-    (or whole, without ``vocab_parallel``), norms whole."""
-    kv_heads_per_rank(s, tp)  # checks tp
-    h, f, kv = s.hidden, s.ffn, kv_heads_per_rank(s, tp) * s.head_dim
-    vocab = tp if vocab_parallel else 1
-    if s.gpt2_style:  # q, k, v (column, with biases) | proj (row, bias whole) | fc (column) | proj (row)
-        block = (h * 3 * h + 3 * h) // tp + h * h // tp + h + (h * f + f) // tp + f * h // tp + h + 4 * h
-        return s.n_layers * block + s.vocab * h // vocab + s.max_positions * h + 2 * h
-    block = h * h // tp + 2 * h * kv + h * h // tp + 3 * h * f // tp + 2 * h  # q, k and v of my KV heads, o, MLP
-    return s.n_layers * block + 2 * s.vocab * h // vocab + h
+def _tp_parameters(s: GPTShape, tp: int, vocab_parallel: bool = True) -> int:
+    """Parameters one tensor-parallel rank holds: :meth:`GPTShape.block_parameters` of a shape whose KV heads
+    are the ranks' (a KV head replicated on each rank when there are more ranks than KV heads), the
+    vocabulary /t (or whole, without ``vocab_parallel``), norms and positions whole."""
+    held = replace(s, kv_heads=kv_heads_per_rank(s, tp) * tp)  # checks tp
+    outer = held.outer_parameters(tp if vocab_parallel else 1)
+    return s.n_layer * held.block_parameters(tp) + sum(outer.values())
 
 
-def _device_layers(s: DecoderShape, strategy: str, n: int) -> list[list[int]]:
+def _device_layers(s: GPTShape, strategy: str, n: int) -> list[list[int]]:
     if strategy in ("mp", "pp"):
-        if n > s.n_layers:
+        if n > s.n_layer:
             raise ValueError(f"strategy {strategy!r} places whole layers: n_devices={n} is more than the model's "
-                             f"{s.n_layers} layers, and a device without layers serves nothing; use at most "
-                             f"{s.n_layers} devices, or tp")
-        return list(get_device_map(s.n_layers, list(range(n))).values())
-    return [list(range(s.n_layers))] * n
+                             f"{s.n_layer} layers, and a device without layers serves nothing; use at most "
+                             f"{s.n_layer} devices, or tp")
+        return list(get_device_map(s.n_layer, list(range(n))).values())
+    return [list(range(s.n_layer))] * n
 
 
 def weights_per_device(model: Any, strategy: str, n_devices: int = 1, dtype: str = "fp16",
@@ -151,14 +147,14 @@ def weights_per_device(model: Any, strategy: str, n_devices: int = 1, dtype: str
         return list(device_bytes(s, dict(enumerate(_device_layers(s, strategy, n))), width).values())
     if strategy == "tp":
         return [float(_tp_parameters(s, n, vocab_parallel) * width)] * n
-    return [float(sum(count for _, count in layer_parameters(s)) * width)] * n
+    return [float(s.parameters() * width)] * n
 
 
 @dataclass(frozen=True)
 class ServingMemory:
     """Per device: weight bytes and KV-cache bytes per token in flight (for the requests it serves)."""
 
-    model: DecoderShape
+    model: GPTShape
     strategy: str
     n_devices: int
     dtype: str
@@ -194,9 +190,9 @@ class ServingMemory:
         """
         capacity = check_memory_bytes("capacity", capacity)
         tokens = positive_int("tokens_per_request", tokens_per_request)
-        if self.model.max_positions and tokens > self.model.max_positions:
+        if self.model.learned_positions and tokens > self.model.n_positions:
             raise ValueError(f"tokens_per_request={tokens} is longer than the model's context of "
-                             f"{self.model.max_positions} positions; no request can be that long")
+                             f"{self.model.n_positions} positions; no request can be that long")
         fits = [max(int((capacity - w) // (k * tokens)), 0) if k else 0
                 for w, k in zip(self.weights, self.kv_per_token)]
         return sum(fits) if self.strategy == "dp" else min(fits)

@@ -16,13 +16,10 @@ from parallel_lib.model_parallel.device_map import (
 )
 from parallel_lib.model_parallel.memory import (
     DTYPE_BYTES,
-    MODEL_SHAPES,
     OPTIMIZER_STATES,
     DeviceMemory,
     GiB,
-    ModelShape,
     TrainingMemory,
-    activation_memory,
     format_memory_report,
     memory_report,
     memory_verdict,
@@ -30,8 +27,6 @@ from parallel_lib.model_parallel.memory import (
     training_memory,
 )
 from parallel_lib.model_parallel.layer_memory import (
-    DECODER_SHAPES,
-    DecoderShape,
     device_bytes,
     kv_cache_bytes_per_token,
     layer_parameters,
@@ -51,8 +46,6 @@ from parallel_lib.model_parallel.placing import (
 from parallel_lib.model_parallel.timeline import measure_step_timeline, record_timeline
 
 __all__ = [
-    "DECODER_SHAPES",
-    "DecoderShape",
     "device_bytes",
     "kv_cache_bytes_per_token",
     "layer_parameters",
@@ -70,11 +63,8 @@ __all__ = [
     "format_device_map",
     "DTYPE_BYTES",
     "OPTIMIZER_STATES",
-    "ModelShape",
-    "MODEL_SHAPES",
     "TrainingMemory",
     "training_memory",
-    "activation_memory",
     "DeviceMemory",
     "memory_report",
     "format_memory_report",

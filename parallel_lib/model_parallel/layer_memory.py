@@ -7,79 +7,42 @@ on top of its blocks. This module counts each layer's parameters from the publis
 adds them up per device of a map, finds the fewest devices whose memory holds a model when
 layers stay whole, and sizes the KV cache that inference adds per token.
 
-Parameter counts reproduce :data:`parallel_lib.model_parallel.memory.MODEL_SHAPES` exactly
-(``tests/test_layer_memory.py``), so the two views of a model cannot drift apart.
+Models are the course's one shape, :class:`~parallel_lib.cost.shape.GPTShape` (a published name from
+:data:`~parallel_lib.cost.shape.SHAPES` or a shape): the layers add up to
+:meth:`GPTShape.parameters <parallel_lib.cost.shape.GPTShape.parameters>`, which
+``tests/test_layer_memory.py`` holds against the Hugging Face checkpoints' counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from parallel_lib.common.checks import check_choice, check_number
 from parallel_lib.cost.kv_cache import kv_bytes
+from parallel_lib.cost.shape import GPTShape, shape_of
 from parallel_lib.model_parallel.memory import DTYPE_BYTES
 
-__all__ = ["DecoderShape", "DECODER_SHAPES", "layer_parameters", "device_bytes", "pack_layers", "pack_layer_bytes",
-           "kv_cache_bytes_per_token"]
+__all__ = ["layer_parameters", "device_bytes", "pack_layers", "pack_layer_bytes", "kv_cache_bytes_per_token"]
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """A decoder-only transformer, as far as its parameter count and KV cache go."""
-
-    vocab: int
-    hidden: int
-    n_layers: int
-    ffn: int  # MLP inner width
-    n_heads: int
-    kv_heads: int  # < n_heads with grouped-query attention (LLaMA-2-70B: 8)
-    gpt2_style: bool  # True: learned positions, biases, LayerNorm, 4h GELU MLP, tied head; False: LLaMA
-    max_positions: int = 0  # learned position embeddings (GPT-2); 0 for rotary embeddings
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
-
-
-# GPT-2: Radford et al. 2019 and the Hugging Face configs; LLaMA-2: Touvron et al. 2023, table 1
-# and the Hugging Face configs (intermediate_size, num_key_value_heads).
-DECODER_SHAPES: dict[str, DecoderShape] = {
-    "gpt2 (124M)": DecoderShape(50257, 768, 12, 3072, 12, 12, True, 1024),
-    "gpt2-xl (1.5B)": DecoderShape(50257, 1600, 48, 6400, 25, 25, True, 1024),
-    "llama-2-7b": DecoderShape(32000, 4096, 32, 11008, 32, 32, False),
-    "llama-2-13b": DecoderShape(32000, 5120, 40, 13824, 40, 40, False),
-    "llama-2-70b": DecoderShape(32000, 8192, 80, 28672, 64, 8, False),
-}
-
-
-def _shape(model: str | DecoderShape) -> DecoderShape:
-    if isinstance(model, DecoderShape):
-        return model
-    return DECODER_SHAPES[check_choice("model", model, DECODER_SHAPES)]
-
-
-def layer_parameters(model: str | DecoderShape) -> list[tuple[str, int]]:
+def layer_parameters(model: str | GPTShape) -> list[tuple[str, int]]:
     """``[("embedding", n), ("block 0", n), ..., ("head", n)]``: parameters layer by layer.
 
-    A tied head (GPT-2) shares the embedding's weight, so the "head" entry holds only the final
-    norm; an untied head (LLaMA) holds the final norm and its own ``vocab x hidden`` matrix.
+    The embedding holds the token table (and GPT-2's position table); the "head" entry holds the
+    final norm and, untied (LLaMA), its own ``vocab x hidden`` matrix; a tied head (GPT-2) shares
+    the embedding's weight, so there it is only the final norm.
+
+    Raises:
+        ValueError: ``model`` names no model in :data:`~parallel_lib.cost.shape.SHAPES`.
     """
-    s = _shape(model)
-    h, f = s.hidden, s.ffn
-    kv = s.kv_heads * s.head_dim
-    if s.gpt2_style:  # weights + biases: qkv, attention out, MLP in, MLP out; two LayerNorms (weight + bias)
-        block = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
-        embedding = s.vocab * h + s.max_positions * h
-        head = 2 * h
-    else:  # no biases: q, k, v, o; gate, up, down; two RMSNorm weights
-        block = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-        embedding = s.vocab * h
-        head = h + s.vocab * h
-    return [("embedding", embedding)] + [(f"block {i}", block) for i in range(s.n_layers)] + [("head", head)]
+    s = shape_of(model)
+    outer = s.outer_parameters()
+    head = outer["final_norm"] + outer["head"]
+    return ([("embedding", outer["embedding"])] + [(f"block {i}", s.block_parameters()) for i in range(s.n_layer)]
+            + [("head", head)])
 
 
-def device_bytes(model: str | DecoderShape, device_map: Mapping[object, Sequence[int]],
+def device_bytes(model: str | GPTShape, device_map: Mapping[object, Sequence[int]],
                  bytes_per_parameter: float) -> dict[object, float]:
     """Bytes each device of ``device_map`` (``{device: [block indices]}``) holds.
 
@@ -103,7 +66,7 @@ def device_bytes(model: str | DecoderShape, device_map: Mapping[object, Sequence
     return out
 
 
-def pack_layers(model: str | DecoderShape, capacity: float, bytes_per_parameter: float) -> dict[int, list[int]]:
+def pack_layers(model: str | GPTShape, capacity: float, bytes_per_parameter: float) -> dict[int, list[int]]:
     """The fewest devices of ``capacity`` bytes that hold the model with whole layers, in order.
 
     :func:`pack_layer_bytes` on the model's layers at ``bytes_per_parameter`` bytes each.
@@ -147,12 +110,16 @@ def pack_layer_bytes(layer_bytes: Sequence[float], capacity: float) -> dict[int,
     return device_map
 
 
-def kv_cache_bytes_per_token(model: str | DecoderShape, dtype: str = "fp16") -> int:
+def kv_cache_bytes_per_token(model: str | GPTShape, dtype: str = "fp16") -> int:
     """Bytes the KV cache grows by per token: ``2 * layers * kv_heads * head_dim * bytes``.
 
-    A key and a value vector per layer and KV head; grouped-query attention shares a KV head among
-    several query heads, so LLaMA-2-70B keeps 8 of its 64. LLaMA-2-7B in fp16: 0.5 MiB per token.
+    :func:`~parallel_lib.cost.kv_cache.kv_bytes` for one token. A key and a value vector per layer and KV
+    head; grouped-query attention shares a KV head among several query heads, so LLaMA-2-70B keeps 8 of
+    its 64. LLaMA-2-7B in fp16: 0.5 MiB per token.
+
+    Raises:
+        ValueError: an unknown model or dtype.
     """
-    s = _shape(model)
+    s = shape_of(model)
     width = DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
-    return kv_bytes(s.n_layers, s.kv_heads, s.head_dim, 1, width)
+    return kv_bytes(s.n_layer, s.kv_heads or s.n_head, s.n_embd // s.n_head, 1, width)

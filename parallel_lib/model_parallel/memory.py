@@ -20,7 +20,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parallel_lib.common.checks import check_int, check_number, positive_int, positive_number
+from parallel_lib.common.checks import check_choice, check_int, check_number, positive_int, positive_number
+from parallel_lib.cost.activation import activation_bytes
+from parallel_lib.cost.shape import GPTShape, shape_of
 from parallel_lib.cost.units import GiB  # a "16 GB" V100 holds 16 GiB
 from parallel_lib.model_parallel.placing import placement
 from parallel_lib.runtime.device import DeviceKey, resolve_device
@@ -28,11 +30,8 @@ from parallel_lib.runtime.device import DeviceKey, resolve_device
 __all__ = [
     "DTYPE_BYTES",
     "OPTIMIZER_STATES",
-    "ModelShape",
-    "MODEL_SHAPES",
     "TrainingMemory",
     "training_memory",
-    "activation_memory",
     "DeviceMemory",
     "memory_report",
     "format_memory_report",
@@ -48,28 +47,6 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the estimates need to know about a published model."""
-
-    n_params: int  # parameters, tied weights once
-    n_layers: int
-    hidden: int
-    n_heads: int
-    seq_len: int  # context length it was trained with
-
-
-# Parameter counts as the Hugging Face checkpoints hold them; shapes from the configs
-# (GPT-2: Radford et al. 2019; LLaMA-2: Touvron et al. 2023, "Llama 2", table 1).
-MODEL_SHAPES: dict[str, ModelShape] = {
-    "gpt2 (124M)": ModelShape(124_439_808, 12, 768, 12, 1024),
-    "gpt2-xl (1.5B)": ModelShape(1_557_611_200, 48, 1600, 25, 1024),
-    "llama-2-7b": ModelShape(6_738_415_616, 32, 4096, 32, 4096),
-    "llama-2-13b": ModelShape(13_015_864_320, 40, 5120, 40, 4096),
-    "llama-2-70b": ModelShape(68_976_648_192, 80, 8192, 64, 4096),
-}
-
-
-@dataclass(frozen=True)
 class TrainingMemory:
     """Bytes of training state, by kind, for the whole model."""
 
@@ -77,7 +54,7 @@ class TrainingMemory:
     gradients: float  # same dtype as the weights
     master_weights: float  # fp32 copy that mixed precision updates
     optimizer_states: float  # fp32 moments
-    activations: float = 0.0  # whatever the caller adds (see activation_memory)
+    activations: float = 0.0  # whatever the caller adds (see parallel_lib.cost.activation.activation_bytes)
 
     @property
     def total(self) -> float:
@@ -132,7 +109,7 @@ def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str]
         dtype: "fp32", "bf16" or "fp16" (the latter two mean mixed precision).
         optimizer: "adamw", "adam", "sgd_momentum", "sgd", or None for inference
             (weights only: no gradients, no master copy, no states).
-        activations: activation bytes to include (e.g. from :func:`activation_memory`).
+        activations: activation bytes to include (e.g. from :func:`parallel_lib.cost.activation.activation_bytes`).
 
     Raises:
         ValueError: ``n_params`` negative or not a finite number, or an unknown ``dtype`` / ``optimizer``.
@@ -148,38 +125,6 @@ def training_memory(n_params: int, dtype: str = "fp32", optimizer: Optional[str]
     master = 4 * n_params if width < 4 else 0.0
     return TrainingMemory(n_params * width, n_params * width, master, 4 * OPTIMIZER_STATES[optimizer] * n_params,
                           activations)
-
-
-def activation_memory(batch_size: int, seq_len: int, hidden: int, n_heads: int, n_layers: int,
-                      attention_scores: bool = True, recompute: bool = False) -> float:
-    """Bytes of activations kept for the backward pass, 16-bit training.
-
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models", sec. 4.1: one GPT layer stores ``s*b*h*(34 + 5*a*s/h)``
-    bytes (s sequence length, b batch size, h hidden size, a heads; 2-byte values
-    and 1-byte dropout masks). The ``5*a*s/h`` part is the attention score matrices
-    and their dropout masks, which FlashAttention-style kernels (or selective
-    recomputation) never store: pass ``attention_scores=False`` to drop it. Not
-    counted: embeddings, final logits, and architecture changes (LLaMA's SwiGLU MLP
-    stores somewhat more than GPT's 4h MLP).
-
-    ``recompute=True`` is full activation recomputation (``torch.utils.checkpoint`` around each
-    block; Korthikanti et al. sec. 5): every layer keeps only its 16-bit input, ``2*s*b*h`` bytes,
-    and the backward pass rebuilds one layer's activations at a time, so one layer's full
-    ``s*b*h*(34 + ...)`` comes on top.
-
-    Raises:
-        ValueError: a size below 1.
-    """
-    sizes = dict(batch_size=batch_size, seq_len=seq_len, hidden=hidden, n_heads=n_heads, n_layers=n_layers)
-    bad = {k: v for k, v in sizes.items() if v < 1}
-    if bad:
-        raise ValueError(f"sizes must be >= 1, got {bad}")
-    s, b, h, a = seq_len, batch_size, hidden, n_heads
-    per_layer = s * b * h * (34 + (5 * a * s / h if attention_scores else 0))
-    if recompute:
-        return float(n_layers * 2 * s * b * h + per_layer)
-    return float(n_layers * per_layer)
 
 
 @dataclass(frozen=True)
@@ -242,26 +187,28 @@ def format_memory_report(report: dict[DeviceKey, DeviceMemory]) -> str:
     return "\n".join(lines)
 
 
-def model_memory(name: str, dtype: str = "fp16", optimizer: Optional[str] = "adamw", batch_size: int = 0,
+def model_memory(model: str | GPTShape, dtype: str = "fp16", optimizer: Optional[str] = "adamw", batch_size: int = 0,
                  attention_scores: bool = False) -> TrainingMemory:
-    """:func:`training_memory` of a model in :data:`MODEL_SHAPES`, plus activations for ``batch_size`` sequences.
+    """:func:`training_memory` of a model, plus activations for ``batch_size`` sequences.
 
-    Activations use the model's full context length and assume a FlashAttention-style
-    kernel (no stored score matrices) unless ``attention_scores``; ``batch_size=0``
-    leaves them out. Activations are scaled from the 16-bit formula by the dtype's width.
+    ``model`` is a published name from :data:`parallel_lib.cost.shape.SHAPES` or a
+    :class:`~parallel_lib.cost.shape.GPTShape`; its parameters are :meth:`GPTShape.parameters`.
+    Activations (:func:`parallel_lib.cost.activation.activation_bytes`, Korthikanti et al. 2022) use
+    the model's full context length (``n_positions``), values of ``dtype``'s width and byte dropout
+    masks, and assume a FlashAttention-style kernel (no stored score matrices) unless
+    ``attention_scores``; ``batch_size=0`` leaves them out.
 
     Raises:
-        ValueError: an unknown ``name`` or a ``batch_size`` that is not an int >= 0.
+        ValueError: an unknown ``model`` or ``dtype``, or a ``batch_size`` that is not an int >= 0.
     """
-    if name not in MODEL_SHAPES:
-        raise ValueError(f"name must be one of {sorted(MODEL_SHAPES)}, got name={name!r}")
+    shape = shape_of(model)
+    width = DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
     check_int("batch_size", batch_size, 0, hint="0 leaves the activations out")
-    shape = MODEL_SHAPES[name]
     acts = 0.0
     if batch_size and optimizer is not None:  # inference keeps no activations for a backward pass
-        acts = activation_memory(batch_size, shape.seq_len, shape.hidden, shape.n_heads, shape.n_layers,
-                                 attention_scores) * DTYPE_BYTES[dtype] / 2
-    return training_memory(shape.n_params, dtype, optimizer, acts)
+        acts = activation_bytes(batch_size, shape.n_positions, shape, attention_scores=attention_scores,
+                                bytes_per_element=width)
+    return training_memory(shape.parameters(), dtype, optimizer, acts)
 
 
 def memory_verdict(estimate: TrainingMemory, n_devices: int, device_bytes: float) -> str:

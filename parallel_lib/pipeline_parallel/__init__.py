@@ -14,10 +14,12 @@ from parallel_lib.pipeline_parallel.microbatch import (
     scatter,
     split_layers,
     split_like,
+    stage_blocks,
 )
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b, zb_h1, zb_h2, zbv
 from parallel_lib.pipeline_parallel.dualpipe import dualpipev
 from parallel_lib.pipeline_parallel.hangs import check_blocking, check_schedule, hang_gallery, parse_schedule
+from parallel_lib.pipeline_parallel.live_deadlock import send_first
 from parallel_lib.pipeline_parallel.pipe import Pipe, StageError
 from parallel_lib.pipeline_parallel.runtime import RankStages, run_actions
 from parallel_lib.pipeline_parallel.schedule import (
@@ -43,6 +45,7 @@ from parallel_lib.pipeline_parallel.timeline_stats import in_flight, stage_costs
 from parallel_lib.pipeline_parallel.worker import THREAD_PREFIX, Task, Workers
 
 __all__ = [
+    "send_first",
     "GPT2Embedding",
     "GPT2Blocks",
     "GPT2Head",
@@ -51,6 +54,7 @@ __all__ = [
     "lm_loss",
     "Target",
     "split_layers",
+    "stage_blocks",
     "scatter",
     "gather",
     "check_layers",

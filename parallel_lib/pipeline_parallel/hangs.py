@@ -9,7 +9,8 @@ in microseconds on a laptop, with the reason:
 - a receive order that does not match the send order: without tags, the k-th message on a
   channel is taken as the k-th one expected, so a rank computes on the wrong micro-batch or waits forever;
 - a schedule that works with eager buffers and hangs without: 1F1B with every send posted on its own
-  (gloo and NCCL's small messages buffer it; NCCL's large ones block until the receive is posted);
+  (NCCL's small messages are buffered; its large ones, and every blocking gloo send, wait until the
+  receive is posted: :mod:`.live_deadlock` runs that hang for real on two gloo ranks);
 - a V schedule whose ranks receive in the order they need: one channel carries activations and
   gradients, and the k-th tensor sent is taken for the k-th one wanted (the engine receives in
   the sender's order instead);

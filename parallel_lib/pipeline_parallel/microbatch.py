@@ -19,7 +19,7 @@ from parallel_lib.model_parallel.device_map import DeviceMap, get_device_map, va
 from parallel_lib.pipeline_parallel.stage import TensorOrTensors
 from parallel_lib.runtime.device import DeviceKey
 
-__all__ = ["Target", "check_layers", "split_layers", "scatter", "gather", "check_split", "split_like", "loss_weights"]
+__all__ = ["Target", "check_layers", "split_layers", "stage_blocks", "scatter", "gather", "check_split", "split_like", "loss_weights"]
 
 Target = Union[Tensor, Sequence[Tensor]]
 
@@ -87,6 +87,31 @@ def split_layers(n_layers: int, devices: Union[Sequence[DeviceKey], DeviceMap],
         raise ValueError(f"devices gives no {what} to {empty}: every stage needs at least one, "
                          f"got devices={devices!r}")
     return keys, layers
+
+
+def stage_blocks(n_layer: int, pp: int) -> list[list[int]]:
+    """The block indices of each of ``pp`` pipeline stages: the split every pipeline of the course runs.
+
+    Contiguous and balanced, the first ``n_layer % pp`` stages one block more (:func:`split_layers`'s
+    rule, chapter 04's balance). The runtime builds its stages with it (the threaded ``Pipe``, the
+    ranks of ``train``) and the planner prices the same stages, so both hold the same blocks.
+
+    Args:
+        n_layer: the model's blocks.
+        pp: number of stages.
+
+    Returns:
+        ``pp`` lists of block indices, e.g. ``stage_blocks(5, 2) == [[0, 1, 2], [3, 4]]``.
+
+    Raises:
+        ValueError: ``n_layer`` or ``pp`` below 1, or more stages than blocks.
+    """
+    positive_int("n_layer", n_layer)
+    positive_int("pp", pp)
+    if pp > n_layer:
+        raise ValueError(f"pp={pp} stages need at least {pp} blocks, the model has n_layer={n_layer}; "
+                         f"use pp <= {n_layer}")
+    return split_layers(n_layer, ["cpu"] * pp, "blocks")[1]
 
 
 def scatter(batch: TensorOrTensors, chunks: Optional[int] = None,

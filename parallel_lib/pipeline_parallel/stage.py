@@ -49,10 +49,11 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.pipeline_parallel.weight_grad import add_gradients, record_weight_ops, weight_gradients
 
-__all__ = ["TensorOrTensors", "Saved", "StageRunner", "RngState", "as_tuple", "like", "cut", "saved_bytes",
-           "move_stage", "save_rng", "replayed_rng"]
+__all__ = ["TensorOrTensors", "Saved", "StageRunner", "RngState", "as_tuple", "like", "cut", "move_stage",
+           "save_rng", "replayed_rng"]
 
 TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
 # (input leaves, outputs or loss, recorded operations or None), or ("recompute", input, loss, rng, split)
@@ -118,39 +119,6 @@ def cut(x: TensorOrTensors, device: torch.device) -> tuple[tuple[Tensor, ...], T
     leaves = tuple(t.to(device).detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x))  # [1]
     inputs = tuple(_Cut.apply(t) if t.requires_grad else t for t in leaves)  # [2]
     return leaves, like(x, inputs)
-
-
-class saved_bytes:
-    """Count the bytes autograd saves for backward inside the block (the activations), parameters aside.
-
-    Example::
-
-        with saved_bytes(module.parameters()) as counter:
-            loss = module(x).sum()
-        counter.bytes  # what this forward keeps alive until its backward
-    """
-
-    def __init__(self, parameters: Any) -> None:
-        # a DTensor (FSDP2's sharded parameter) has no storage of its own: its local shard's
-        self._params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                        for p in parameters}
-        self.bytes = 0
-        self._seen: set[int] = set()
-
-    def _pack(self, t: Tensor) -> Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._params and t.data_ptr() not in self._seen:  # a tensor saved twice is stored once
-            self._seen.add(t.data_ptr())
-            self.bytes += t.numel() * t.element_size()
-        return t
-
-    def __enter__(self) -> saved_bytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 RngState = tuple[Tensor, Optional[Tensor]]  # the CPU generator's state, the stage's CUDA device's (None on a CPU)
@@ -270,11 +238,11 @@ class StageRunner:
         else:
             leaves, inputs = cut(x, self.device)
         recorder = record_weight_ops() if split else contextlib.nullcontext()
-        with saved_bytes(self.module.parameters()) as counter, recorder:
+        with SavedTensors(self.module) as counter, recorder:
             y = self.module(inputs)  # through the module's own call, so its hooks fire
             if loss is not None:
                 y = loss(y)
-        self.last_saved_bytes = counter.bytes
+        self.last_saved_bytes = counter.nbytes
         outputs = as_tuple(y)
         ops = recorder.ops if isinstance(recorder, record_weight_ops) else None
         saved = (like(x, leaves) if leaves else (), outputs, ops)

@@ -13,7 +13,10 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
   batch sizes and splits it into a fixed cost per block and micro-batch and a FLOP rate;
 - **communication**: an α–β fit per collective — all-reduce, reduce-scatter, all-gather and
   send/recv — of ``t = hops·α + wire_bytes/β`` (hops: ring steps; wire bytes: what one rank
-  sends, :mod:`parallel_lib.cost.alpha_beta`, the course's one α–β model), timed on this machine's gloo ranks;
+  sends, :mod:`parallel_lib.cost.alpha_beta`, the course's one α–β model), timed on this machine's gloo ranks
+  the way a step runs them: each call after a short piece of compute whose length differs a little
+  between ranks (:mod:`parallel_lib.planner.interleaved`), so α holds the wait for the slowest rank
+  and for a waiting process to be scheduled again, which collectives run back to back never pay;
 - bubbles come from the schedule simulator, not from here.
 
 ``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine
@@ -30,8 +33,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from parallel_lib.common.checks import check_choice, check_int
 from parallel_lib.common.machine_speed import measure_machine_speed
 from parallel_lib.cost.alpha_beta import KINDS, AlphaBeta, fit_alpha_beta, hops
+from parallel_lib.planner.interleaved import Action, compute_pieces, dist_world, fit_interleaved
 from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
@@ -65,31 +67,32 @@ class RankSpeed:
         return self.links[kind].seconds(kind, nbytes, group_size) if group_size > 1 else 0.0
 
 
-def _synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work (a collective returns as soon as it is enqueued); nothing on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    device = rank_device()
-    fn()  # warm-up: buffers, connections
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    median = torch.tensor(statistics.median(times), device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the collective lasts until its slowest rank is done
-    return float(median)
+def _collective(kind: str, nbytes: int, rank: int, world_size: int, device: torch.device) -> Action:
+    """One call of ``kind`` over every rank with a message of ``nbytes`` (as the counter records it), on ``device``."""
+    n = nbytes // 4
+    x = torch.ones(n, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if kind == "reduce_scatter":
+        out = torch.empty(max(n // world_size, 1), device=device)
+        return lambda: reduce_scatter_single(out, x[:out.numel() * world_size])
+    if kind == "all_gather":  # the counter records the gathered size: time that message
+        part = torch.ones(max(n // world_size, 1), device=device)
+        out = torch.empty(part.numel() * world_size, device=device)
+        return lambda: all_gather_single(out, part)
+    # a ring of sends: every rank sends to the next and receives from the previous
+    peer_to, peer_from = (rank + 1) % world_size, (rank - 1) % world_size
+    buf = torch.empty(n, device=device)
+    return lambda: [w.wait() for w in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)])]
 
 
 def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, repeats: int = 5,
                       alone: Optional["Calibration"] = None) -> RankSpeed:
     """One rank of the calibration launch: compute rates (all ranks at once), then each collective's fit.
+
+    Each collective is timed between pieces of compute (:func:`~parallel_lib.planner.interleaved.fit_interleaved`)
+    at every message size in ``sizes``, ``repeats`` times.
 
     A model's step is fitted once, in one process alone (two parameters need quiet measurements);
     at ``world_size`` ranks it is slowed by the ratio of the matmul rates measured here
@@ -116,27 +119,10 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
         slow = float(numbers[2 + k]) / alone.ranks[1].step_times[key]
         fixed, rate, optimizer = alone.ranks[1].step_costs[key]
         steps[key], step_times[key] = (fixed * slow, rate / slow, optimizer * slow), float(numbers[2 + k])
-    links = {}
-    for kind in KINDS:
-        times = []
-        for nbytes in sizes:
-            n = nbytes // 4
-            x = torch.ones(n, device=device)
-            out = torch.empty(n * world_size if kind == "all_gather" else max(n // world_size, 1), device=device)
-            if kind == "all_reduce":
-                fn = lambda: dist.all_reduce(x)  # noqa: E731
-            elif kind == "reduce_scatter":
-                fn = lambda: reduce_scatter_single(out, x[:out.numel() * world_size])  # noqa: E731
-            elif kind == "all_gather":  # the counter records the gathered size: time that message
-                x = torch.ones(n // world_size, device=device)
-                fn = lambda: all_gather_single(out[:x.numel() * world_size], x)  # noqa: E731
-            else:  # a ring of sends: every rank sends to the next and receives from the previous
-                peer_to, peer_from = (rank + 1) % world_size, (rank - 1) % world_size
-                buf = torch.empty(n, device=device)
-                fn = lambda: [w.wait() for w in dist.batch_isend_irecv(  # noqa: E731
-                    [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)])]
-            times.append(_timed(fn, repeats))
-        links[kind] = fit_alpha_beta(kind, world_size, [float(s) for s in sizes], times)
+    # each collective between pieces of compute, as a step runs it (planner.interleaved)
+    pieces, world = compute_pieces(rank, device=device), dist_world(device)
+    links = {kind: fit_interleaved(kind, world_size, sizes, lambda nbytes, kind=kind: _collective(
+        kind, nbytes, rank, world_size, device), pieces, repeats, world) for kind in KINDS}
     return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links, steps, step_times)
 
 
@@ -184,7 +170,16 @@ class Calibration:
         return Calibration(self.machine, ranks, self.gpus_per_node, self.across)
 
     def link(self, kind: str, world_size: int, span: int) -> AlphaBeta:
-        """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide."""
+        """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide.
+
+        A group one rank wide never communicates: a free link, even in a calibration of one process
+        alone (which has no collective fit: the benchmark prices one device with it).
+
+        Raises:
+            ValueError: a wider group in a world size the calibration has no collective fit for.
+        """
+        if span <= 1:
+            return AlphaBeta(0.0, math.inf)
         if self.gpus_per_node and span > self.gpus_per_node:
             return self.across[kind]
         speed = self.at(world_size)

@@ -5,6 +5,9 @@ A calibration takes a minute or two, so ``load_or_calibrate`` measures once per 
 and keeps the result under ``$PARALLEL_LIB_CACHE`` or ``~/.cache/parallel_lib``. A file that
 was truncated or edited is named, with the way out (delete it, or ``calibrate --refresh``);
 the folder is checked for writing before anything is measured, so a result is never lost.
+The file's name carries :data:`VERSION`, the calibration procedure's: a cache measured the old way
+(version 1 timed collectives back to back; version 2 between pieces of compute,
+:mod:`parallel_lib.planner.interleaved`) is not read, and the machine is measured again.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from typing import Optional
 from parallel_lib.planner import calibrate as measure
 from parallel_lib.planner.calibrate import Calibration, check_world_sizes, machine_key
 
-__all__ = ["cache_path", "load_calibration", "load_or_calibrate"]
+__all__ = ["VERSION", "cache_path", "load_calibration", "load_or_calibrate"]
+
+VERSION = 2  # bump whenever the calibration measures differently: older caches are then measured again
 
 
 def cache_path(key: Optional[str] = None) -> Path:
-    """``$PARALLEL_LIB_CACHE`` or ``~/.cache/parallel_lib``, ``planner-<key>.json``: outside the repository."""
+    """``$PARALLEL_LIB_CACHE`` or ``~/.cache/parallel_lib``, ``planner-v<VERSION>-<key>.json``: outside the
+    repository."""
     root = Path(os.environ.get("PARALLEL_LIB_CACHE", Path.home() / ".cache" / "parallel_lib"))
-    return root / f"planner-{key or machine_key()}.json"
+    return root / f"planner-v{VERSION}-{key or machine_key()}.json"
 
 
 def load_calibration(path: Path) -> Calibration:

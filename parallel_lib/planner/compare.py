@@ -14,7 +14,7 @@ Memory per device is measured on the tensors (parameters, gradients, optimizer s
 by :func:`parallel_lib.model_parallel.memory.memory_report`) beside the estimate of
 :func:`~parallel_lib.model_parallel.memory.training_memory`. Communication per device and step is
 computed from the run's own tensor sizes with the planner's formulas
-(:func:`parallel_lib.planner.strategy.ring_bytes` for the all-reduce, the hidden states that
+(:func:`parallel_lib.cost.alpha_beta.ring_wire_bytes` for the all-reduce, the hidden states that
 cross each device boundary for MP and PP); chapter 05's DP×PP run counts its bytes
 as it sends them and checks those formulas.
 """
@@ -40,7 +40,8 @@ from parallel_lib.model_parallel.placing import parallelize, placement
 from parallel_lib.model_parallel.timeline import record_timeline
 from parallel_lib.pipeline_parallel.gpt2 import gpt2_stages
 from parallel_lib.pipeline_parallel.pipe import Pipe
-from parallel_lib.planner.strategy import WHEN_TO_USE, ring_bytes
+from parallel_lib.cost.alpha_beta import ring_wire_bytes
+from parallel_lib.planner.option import WHEN_TO_USE
 from parallel_lib.runtime.device import devices, resolve_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.training import Plan, RunConfig, job_record, train_layout
@@ -156,7 +157,7 @@ def _measure(config: CompareConfig) -> list[Measured]:
     results = train_layout(Plan(dp=p, sync="bucketed", micro_batches=1), dp_run, timeout=config.timeout)
     rows.append(Measured("DP", p, job_record(results).throughput(skip=config.warmup),
                          replica_bytes,  # every rank holds the replica measured above
-                         estimate.total, ring_bytes(grad_bytes, p), None,
+                         estimate.total, ring_wire_bytes("all_reduce", grad_bytes, p), None,
                          f"train_layout(Plan(dp={p}, sync='bucketed')) (chapter 01)"))
 
     split = parallelize(copy.deepcopy(reference), get_device_map(reference.config.n_layer, list(range(p))))

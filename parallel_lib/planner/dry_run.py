@@ -31,15 +31,14 @@ from torch import nn
 from parallel_lib.common.checks import check_int, positive_int
 from parallel_lib.cost.units import MiB
 from parallel_lib.planner.layout import Layout, state_memory
-from parallel_lib.planner.published import LLAMA3
 from parallel_lib.sharding.layers import layer_modules
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import LLAMA3, SHAPES, GPTShape
 
 __all__ = ["GPT2_XL", "DRY_RUN_MODELS", "meta_model", "tp_plan", "fsdp_local_numel", "DryRun", "dry_run",
            "dry_run_rows", "DRY_RUN_HEADER"]
 
 FP32 = 4  # bytes per element of the meta model's parameters (PyTorch's default dtype)
-GPT2_XL = GPTShape(48, 1600, 25, 50257, 1024)  # Radford et al. 2019, table 2 (1,557,611,200 parameters, tied head)
+GPT2_XL = SHAPES["gpt2-xl (1.5B)"]  # Radford et al. 2019, table 2 (1,557,611,200 parameters, tied head)
 DRY_RUN_MODELS = {"GPT-2 XL": GPT2_XL, "Llama 3 8B": LLAMA3["8B"], "Llama 3 70B": LLAMA3["70B"]}
 
 

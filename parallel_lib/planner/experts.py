@@ -34,9 +34,10 @@ from parallel_lib.cost.moe import ep_traffic
 from parallel_lib.cost.zero import zero_memory
 from parallel_lib.model_parallel.memory import DTYPE_BYTES
 from parallel_lib.planner.calibrate import Calibration
-from parallel_lib.planner.layout import Layout, Priced, StepCost, dp_collectives, price, stage_blocks
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
+from parallel_lib.planner.layout import Layout, Priced, StepCost, dp_collectives, price
 from parallel_lib.planner.search import divisors, plan_layouts
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 __all__ = ["Experts", "EPPriced", "EPPlan", "mlp_parameters", "price_ep", "plan_ep"]
 
@@ -116,7 +117,7 @@ def price_ep(layout: Layout, ep: int, shape: GPTShape, experts: Experts, global_
     # no overlap: the experts' own collectives below are added whole, so the dense part's are too
     dense = price(layout, shape, global_batch, seq_len, calibration, step_cost, overlap=False)
     L, width = layout, DTYPE_BYTES[layout.dtype]
-    blocks = max(stage_blocks(shape.n_layer, L.pp))
+    blocks = max(len(b) for b in stage_blocks(shape.n_layer, L.pp))
     mlp = mlp_parameters(shape, L.tp)
     expert_params = blocks * experts.n_experts // ep * mlp
     replicated = dense.params + blocks * ((experts.shared - 1) * mlp + experts.n_experts * shape.n_embd)

@@ -87,12 +87,7 @@ def published_calibration(gpu: str, gpus_per_node: int = 8) -> Calibration:
     Raises:
         ValueError: an unknown ``gpu``, or ``gpus_per_node`` not an int >= 1 (0 would put every GPU on NVLink).
     """
-    g = GPUS[check_choice("gpu", gpu, sorted(GPUS))]
-    positive_int("gpus_per_node", gpus_per_node, hint="GPUs that share NVLink in one node")
-    inside = AlphaBeta(NVLINK_LATENCY, g.nvlink)
-    across = AlphaBeta(NETWORK_LATENCY, g.network)
-    ranks = {1: RankSpeed(1, g.flops_bf16, g.hbm_bandwidth, {kind: inside for kind in KINDS})}
-    return Calibration(f"published peaks of {g.name}", ranks, gpus_per_node, {kind: across for kind in KINDS})
+    return Links.of(gpu, gpus_per_node).calibration()
 
 
 def published_table() -> list[list[object]]:
@@ -118,11 +113,13 @@ class Links:
     gpus_per_node: int = 8
     inside_name: str = "NVLink"
     across_name: str = "InfiniBand"
+    gpu: str = "H100"                # whose published compute rate :meth:`calibration` uses
 
     def __post_init__(self) -> None:
         positive_number("inside", self.inside, hint="bytes per second inside a node, e.g. 450e9 (NVLink 4)")
         positive_number("across", self.across, hint="bytes per second per GPU across nodes, e.g. 50e9 (NDR)")
         positive_int("gpus_per_node", self.gpus_per_node, hint="GPUs that share NVLink in one node")
+        check_choice("gpu", self.gpu, sorted(GPUS))
 
     @classmethod
     def of(cls, gpu: str, gpus_per_node: int = 8) -> "Links":
@@ -132,7 +129,22 @@ class Links:
             ValueError: an unknown ``gpu``.
         """
         g = GPUS[check_choice("gpu", gpu, sorted(GPUS))]
-        return cls(g.nvlink, g.network, gpus_per_node)
+        return cls(g.nvlink, g.network, gpus_per_node, gpu=gpu)
+
+    def calibration(self) -> Calibration:
+        """These links as a :class:`~parallel_lib.planner.calibrate.Calibration` of published figures.
+
+        Groups within ``gpus_per_node`` consecutive ranks run at ``inside`` with NVLink's latency per ring
+        step, wider ones at ``across`` with the network's; every GPU computes at ``gpu``'s published peak.
+        This is what :func:`published_calibration` returns for a DGX node, and what chapter 05's planner
+        prices its named strategies with (:func:`parallel_lib.planner.layout.price`).
+        """
+        g = GPUS[self.gpu]
+        inside, across = AlphaBeta(NVLINK_LATENCY, self.inside), AlphaBeta(NETWORK_LATENCY, self.across)
+        ranks = {1: RankSpeed(1, g.flops_bf16, g.hbm_bandwidth, {kind: inside for kind in KINDS})}
+        return Calibration(f"published peaks of {g.name}" + ("" if self == Links.of(self.gpu, self.gpus_per_node)
+                                                             else f" on {self}"),
+                           ranks, self.gpus_per_node, {kind: across for kind in KINDS})
 
     def crosses_nodes(self, span: int) -> bool:
         """Whether a group ``span`` consecutive ranks wide reaches beyond one node."""

@@ -1,6 +1,10 @@
 """One layout of a training job over a dp × tp × pp × cp grid, priced: memory per device and time per step.
 
-Every number comes from code a chapter verified, not from a new formula:
+This is the course's one pricing: chapter 10's search (:mod:`~parallel_lib.planner.search`) and chapter
+05's named strategies (:mod:`~parallel_lib.planner.strategy`: model parallelism is the schedule
+:func:`sequential`) both call :func:`price`, so the two can no longer disagree about a layout (they did
+about a pipeline stage's share of the model: chapter 05 gave each stage Ψ/p, this counts its blocks and
+the embedding). Every number comes from code a chapter verified, not from a new formula:
 
 - parameters per rank: :func:`parallel_lib.tensor_parallel.cost.shard_parameters` (chapter 07) for a
   block and the embedding, the stages split by ``split_layers``'s rule (chapter 04: the first stages
@@ -12,14 +16,13 @@ Every number comes from code a chapter verified, not from a new formula:
   the dry run :mod:`parallel_lib.planner.dry_run` measures with FSDP2 and DTensor); under ZeRO-3 also the working set
   :func:`~parallel_lib.cost.zero.zero3_working_set`, what the rank gathers while it computes (the
   embeddings and head, a block, the prefetched next block, and their whole gradients);
-- activations: :func:`parallel_lib.tensor_parallel.cost.activation_bytes` (chapter 07: tensor and
-  sequence parallelism) or, recomputed, :func:`parallel_lib.model_parallel.memory.activation_memory`
-  (chapter 03/08), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
+- activations: :func:`parallel_lib.cost.activation.activation_bytes` (chapter 03's formula with chapter 07's
+  tensor and sequence parallelism and full recomputation), times the schedule's peak in-flight micro-batches from the simulator (chapter 08);
 - time: compute from the calibration (:mod:`parallel_lib.planner.calibrate`) and
   :func:`~parallel_lib.tensor_parallel.cost.training_flops` (recomputation: the blocks' forward once
   more); tensor-parallel collectives from :func:`~parallel_lib.tensor_parallel.cost.step_collectives`
   (recomputation: the recomputed forward's all-reduces too, 6 per block instead of 4); the pipeline replayed by
-  :func:`parallel_lib.pipeline_parallel.simulator.simulate_schedule` with those costs and the send time;
+  :func:`parallel_lib.pipeline_parallel.simulator.replay` with those costs and the send time;
   then the data-parallel collectives of the ZeRO stage (:func:`dp_collectives`: ZeRO-2 reduce-scatters
   every micro-batch's gradients, ZeRO-3 gathers the parameters twice per micro-batch) and the
   optimizer on the rank's share.
@@ -51,25 +54,49 @@ measured on this machine; published GPU figures default to ``overlap=True``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Optional, Union
 
 from parallel_lib.common.checks import check_choice, check_number, positive_int
 from parallel_lib.context_parallel.cost import GRAD_ITEMSIZE, cp_wire_bytes, ring_step_flops
+from parallel_lib.cost.alpha_beta import ring_wire_bytes, wire_bytes
 from parallel_lib.cost.zero import fsdp_shard_numel, zero3_working_set, zero_collectives, zero_memory
-from parallel_lib.model_parallel.memory import DTYPE_BYTES, activation_memory
+from parallel_lib.model_parallel.memory import DTYPE_BYTES
 from parallel_lib.pipeline_parallel.generators import interleaved_1f1b
-from parallel_lib.pipeline_parallel.schedule import make_schedule
-from parallel_lib.pipeline_parallel.simulator import peak_in_flight, simulate_schedule
+from parallel_lib.common.timeline import Event
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
+from parallel_lib.pipeline_parallel.schedule import Action, Schedule, make_schedule, stage_lane
+from parallel_lib.pipeline_parallel.simulator import bubbles, peak_in_flight, replay
 from parallel_lib.planner.calibrate import AlphaBeta, Calibration
 from parallel_lib.planner.hardware import group_span
-from parallel_lib.tensor_parallel.cost import GPTShape, activation_bytes, shard_parameters, step_collectives
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.cost.activation import activation_bytes
+from parallel_lib.tensor_parallel.cost import shard_parameters, step_collectives
 
-__all__ = ["Layout", "StepCost", "Priced", "stage_blocks", "rank_parameters", "stage_parameter_shapes",
-           "state_memory", "dp_collectives", "cp_seconds", "exposed_seconds", "price", "SCHEDULES"]
+__all__ = ["Layout", "StepCost", "Priced", "rank_parameters", "stage_parameter_shapes", "state_memory",
+           "dp_collectives", "p2p_bytes", "MemoryCost", "price_memory", "cp_seconds", "exposed_seconds", "price",
+           "SCHEDULES", "sequential"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+# "sequential": one micro-batch in the pipeline at a time (chapter 03's model parallelism, accumulating)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "sequential")
+
+
+def sequential(p: int, m: int) -> Schedule:
+    """Model parallelism with gradient accumulation as a schedule: every rank runs F(i), B(i), then micro-batch i+1.
+
+    A rank's forward of micro-batch i + 1 waits for its backward of i, which waits for every later
+    stage's: one micro-batch is in the pipeline at a time (chapter 03), so a rank keeps one micro-batch's
+    activations and the simulator finds the bubble ``(p − 1)/p`` of a step with equal stages.
+    """
+    actions = tuple(a for i in range(positive_int("m", m)) for a in (Action("F", i), Action("B", i)))
+    return Schedule("sequential", positive_int("p", p), m, tuple(actions for _ in range(p)))
+
+
+def _schedule(name: str, p: int, m: int, v: int) -> Schedule:
+    if name == "interleaved":
+        return interleaved_1f1b(p, m, v)
+    return sequential(p, m) if name == "sequential" else make_schedule(name, p, m)
 
 
 @dataclass(frozen=True)
@@ -127,10 +154,8 @@ class Layout:
         return "×".join(parts) + (" " + ", ".join(extra) if extra else "")
 
     def schedule_object(self):  # type: ignore[no-untyped-def]
-        """The simulator's schedule of this pipeline (chapter 08's generators)."""
-        if self.schedule == "interleaved":
-            return interleaved_1f1b(self.pp, self.micro_batches, self.virtual)
-        return make_schedule(self.schedule, self.pp, self.micro_batches)
+        """The simulator's schedule of this pipeline (chapter 08's generators, or :func:`sequential`)."""
+        return _schedule(self.schedule, self.pp, self.micro_batches, self.virtual)
 
 
 @dataclass(frozen=True)
@@ -156,13 +181,6 @@ class StepCost:
         check_number("optimizer", self.optimizer, 0.0, hint="seconds of one optimizer step")
 
 
-def stage_blocks(n_layer: int, pp: int) -> list[int]:
-    """Blocks per stage, the first stages one more when ``pp`` does not divide (``split_layers``'s rule)."""
-    if pp > n_layer:
-        raise ValueError(f"pp={pp} stages need at least {pp} blocks, the model has n_layer={n_layer}")
-    return [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
-
-
 def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
     """(one block's, the first stage's extra, the last stage's extra) parameters on a tp rank (one stage: both)."""
     shard_parameters(shape, tp)  # checks that tp divides the heads and the vocabulary
@@ -173,8 +191,7 @@ def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
 def rank_parameters(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[int]:
     """Parameters each pipeline stage's rank holds; with a tied head the last stage keeps its own copy of it."""
     block, embedding, last = _block_and_rest(shape, tp)
-    blocks = stage_blocks(shape.n_layer, pp)
-    out = [b * block for b in blocks]
+    out = [len(b) * block for b in stage_blocks(shape.n_layer, pp)]
     out[0] += embedding
     out[-1] += last + (shape.vocab_size * shape.n_embd // tp if pp > 1 and shape.tied_head else 0)
     return out
@@ -187,7 +204,7 @@ def stage_parameter_shapes(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[li
         ValueError: ``tp`` does not divide the heads, key/value heads or vocabulary; ``pp`` above the blocks.
     """
     outer, block = shape.outer_shapes(tp), shape.block_shapes(tp)
-    stages = [block * b for b in stage_blocks(shape.n_layer, pp)]
+    stages = [block * len(b) for b in stage_blocks(shape.n_layer, pp)]
     stages[0] = outer["embedding"] + stages[0]
     tied_copy = outer["embedding"][:1] if pp > 1 and shape.tied_head else []
     stages[-1] = stages[-1] + outer["final_norm"] + outer["head"] + tied_copy
@@ -239,6 +256,23 @@ def dp_collectives(layout: Layout, params: int, blocks: int) -> dict[str, tuple[
     return zero_collectives([grad_bytes / n] * n, layout.zero, layout.micro_batches)
 
 
+def p2p_bytes(boundary_bytes: float, stages: int, virtual: int = 1) -> float:
+    """Bytes the busiest pipeline rank sends per step: its stages' outputs forward, their inputs' gradients back.
+
+    ``boundary_bytes`` is one step's hidden states at one stage boundary (every micro-batch's); a model
+    stage sends forward unless it is the last and backward unless it is the first, and a rank holds
+    ``virtual`` model stages (``s``, ``s + p``, ...: interleaved). So an inner rank sends 2 · virtual
+    boundaries, a pipeline's end ranks one fewer, one stage nothing.
+
+    Raises:
+        ValueError: ``stages`` or ``virtual`` not an int >= 1, or ``boundary_bytes`` below 0.
+    """
+    check_number("boundary_bytes", boundary_bytes, 0.0)
+    p, v = positive_int("stages", stages), positive_int("virtual", virtual)
+    last = p * v - 1
+    return boundary_bytes * max(sum((s > 0) + (s < last) for s in range(j, p * v, p)) for j in range(p))
+
+
 @dataclass(frozen=True)
 class Priced:
     """A layout's predictions for the busiest rank; seconds split by where they go."""
@@ -256,6 +290,21 @@ class Priced:
     working_bytes: float = 0.0   # ZeRO-3: gathered parameters and their whole gradients while computing
     cp_comm: float = 0.0         # inside compute: ring attention's transfers that its compute did not hide
     dp_hidden: float = 0.0       # data-parallel collectives hidden behind the backward (buckets) or forward (prefetch)
+    pp_comm: float = 0.0         # inside compute: the pipeline's sends of the busiest rank (the simulator places them)
+    sent: dict = field(default_factory=dict, compare=False)  # bytes the busiest rank sends per step, by group:
+    #                              "dp" (gradients, ZeRO's gathers), "tp", "cp", "pp" (hand-overs),
+    #                              "embedding" (the tied copy's gradient between the first and last stage)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes the busiest rank sends per step, every group together (ring algorithm)."""
+        return sum(self.sent.values())
+
+    @property
+    def comm_seconds(self) -> float:
+        """Every collective's and send's seconds, hidden or not: ``dp_comm + dp_hidden + tp_comm + cp_comm +
+        pp_comm``."""
+        return self.dp_comm + self.dp_hidden + self.tp_comm + self.cp_comm + self.pp_comm
 
     @property
     def memory_bytes(self) -> float:
@@ -275,16 +324,18 @@ def _flops(shape: GPTShape, blocks: int, rows: int, seq: int, head: bool) -> flo
 @lru_cache(maxsize=4096)
 def _simulated(name: str, p: int, m: int, v: int, ratios: tuple, comm: float) -> tuple[float, float]:
     """(step time, bubble) of the schedule with forward 1/3 and backward 2/3 of each stage's cost (ratios)."""
-    schedule = interleaved_1f1b(p, m, v) if name == "interleaved" else make_schedule(name, p, m)
+    schedule = _schedule(name, p, m, v)
     costs = (1 / 3, 2 / 3) if len(ratios) == 1 else [(r / 3, 2 * r / 3) for r in ratios]
-    result = simulate_schedule(schedule, costs, comm)
-    return result.step_time, result.bubble
+    # the generators' schedules are valid by construction (tests/test_schedules.py): replay without validating
+    events = [Event(stage_lane(j), a.event_kind, a.micro_batch, start, end)
+              for j, a, start, end in replay(schedule, costs, comm)]
+    step, _, bubble, _ = bubbles(events, p)
+    return step, bubble
 
 
 @lru_cache(maxsize=4096)
 def _in_flight(name: str, p: int, m: int, v: int) -> float:
-    schedule = interleaved_1f1b(p, m, v) if name == "interleaved" else make_schedule(name, p, m)
-    return max(peak_in_flight(schedule))
+    return max(peak_in_flight(_schedule(name, p, m, v)))
 
 
 def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, span: int) -> float:
@@ -355,6 +406,57 @@ def cp_seconds(shape: GPTShape, micro_batch: int, seq_len: int, tp: int, cp: int
     return (cp - 1) * (forward + backward) + link.seconds("send", dkv, 2)
 
 
+@dataclass(frozen=True)
+class MemoryCost:
+    """A layout's memory on its busiest pipeline rank, the part of :class:`Priced` a memory test needs."""
+
+    busiest: int                 # the pipeline stage whose rank holds the most
+    params: int                  # parameters on that rank
+    state_bytes: float           # parameters + gradients + optimizer states between steps
+    working_bytes: float         # ZeRO-3: gathered parameters and their whole gradients while computing
+    activation_bytes: float      # peak kept for backward: one micro-batch's times ``in_flight``
+    in_flight: float             # micro-batches' activations held at the peak (schedule's figure)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.working_bytes + self.activation_bytes
+
+
+def price_memory(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int,
+                 attention_scores: bool = False) -> MemoryCost:
+    """The memory half of :func:`price`, without simulating a step (what a search's memory test asks first).
+
+    Raises:
+        ValueError: as :func:`price`.
+    """
+    L, width = layout, DTYPE_BYTES[layout.dtype]
+    if seq_len % (2 * L.cp):
+        raise ValueError(f"seq_len={seq_len} must be divisible by 2·cp = {2 * L.cp} (two chunks per cp rank, "
+                         "zig-zag)")
+    seq_len //= L.cp  # the tokens of a sequence one rank holds
+    rows = global_batch // L.dp
+    if global_batch % L.dp or rows % L.micro_batches:
+        raise ValueError(f"global_batch={global_batch} must split into dp={L.dp} replicas of "
+                         f"micro_batches={L.micro_batches} equal micro-batches")
+    mb = rows // L.micro_batches
+    params = rank_parameters(shape, L.tp, L.pp)
+    blocks = [len(b) for b in stage_blocks(shape.n_layer, L.pp)]  # the stages the runtime builds
+    states = [state["total"] for state in state_memory(shape, L)]
+    working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
+    if L.zero == 3 and L.replicas > 1:
+        block = _block_and_rest(shape, L.tp)[0]
+        working = [zero3_working_set([block] * b, p - b * block, True, width, width)["total"]
+                   for p, b in zip(params, blocks)]
+    busiest = max(range(L.pp), key=lambda s: states[s] + working[s])
+    # activations of one micro-batch on the busiest stage (the 16-bit formulas, scaled to the dtype)
+    stage_shape = replace(shape, n_layer=max(blocks))
+    acts = activation_bytes(mb, seq_len, stage_shape, L.tp, L.sequence_parallel, attention_scores,
+                            recompute=L.recompute)
+    acts *= width / 2
+    in_flight = _in_flight(L.schedule, L.pp, L.micro_batches, L.virtual) if L.pp > 1 else 1.0
+    return MemoryCost(busiest, params[busiest], states[busiest], working[busiest], acts * in_flight, in_flight)
+
+
 def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, calibration: Calibration,
           step_cost: Union[StepCost, str], attention_scores: bool = False, overlap: Optional[bool] = None) -> Priced:
     """Memory per device and time per step of ``layout`` training ``shape`` on ``global_batch`` sequences.
@@ -371,32 +473,12 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     ``step_cost``: a :class:`StepCost` of one rank alone, or the key of one the calibration holds.
     """
     L, world, width = layout, layout.devices, DTYPE_BYTES[layout.dtype]
-    if seq_len % (2 * L.cp):
-        raise ValueError(f"seq_len={seq_len} must be divisible by 2·cp = {2 * L.cp} (two chunks per cp rank, "
-                         "zig-zag)")
+    memory = price_memory(layout, shape, global_batch, seq_len, attention_scores)
     full_seq, seq_len = seq_len, seq_len // L.cp     # from here on: the tokens of a sequence one rank holds
-    rows = global_batch // L.dp
-    if global_batch % L.dp or rows % L.micro_batches:
-        raise ValueError(f"global_batch={global_batch} must split into dp={L.dp} replicas of "
-                         f"micro_batches={L.micro_batches} equal micro-batches")
-    mb = rows // L.micro_batches
+    mb = global_batch // L.dp // L.micro_batches
     params = rank_parameters(shape, L.tp, L.pp)
-    blocks = stage_blocks(shape.n_layer, L.pp)
-    states = [state["total"] for state in state_memory(shape, L)]
-    working = [0.0] * L.pp  # what a ZeRO-3 rank holds whole while it computes: its gathered working set
-    if L.zero == 3 and L.replicas > 1:
-        block = _block_and_rest(shape, L.tp)[0]
-        working = [zero3_working_set([block] * b, p - b * block, True, width, width)["total"]
-                   for p, b in zip(params, blocks)]
-    busiest = max(range(L.pp), key=lambda s: states[s] + working[s])
-    # activations of one micro-batch on the busiest stage (the 16-bit formulas, scaled to the dtype)
-    stage_shape = replace(shape, n_layer=max(blocks))
-    if L.recompute:
-        acts = activation_memory(mb, seq_len, shape.n_embd, shape.n_head, max(blocks), attention_scores, True) / L.tp
-    else:
-        acts = activation_bytes(mb, seq_len, stage_shape, L.tp, L.sequence_parallel, attention_scores)
-    acts *= width / 2
-    in_flight = _in_flight(L.schedule, L.pp, L.micro_batches, L.virtual) if L.pp > 1 else 1.0
+    blocks = [len(b) for b in stage_blocks(shape.n_layer, L.pp)]  # the stages the runtime builds
+    busiest = memory.busiest
 
     # compute per micro-batch and stage: the calibrated rank, slowed by the ranks sharing its cores
     if isinstance(step_cost, str):
@@ -408,7 +490,7 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     sizes = dict(tp=L.tp, cp=L.cp, pp=L.pp, dp=L.dp)
     tp_span, pp_span = group_span("tp", sizes), group_span("pp", sizes)
     cp_link = calibration.link("send", world, group_span("cp", sizes))
-    costs, passes, tp_total, cp_total = [], [], 0.0, 0.0
+    costs, passes, tp_total, cp_total, tp_sent = [], [], 0.0, 0.0, 0.0
     for s, b in enumerate(blocks):
         head = s == L.pp - 1
         # the attention term of s/cp queries on all s keys: 1/cp of the whole sequence's
@@ -424,13 +506,16 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
                                  recompute=L.recompute)
         tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
         tp_total = max(tp_total, tp_seconds)
+        tp_sent = max(tp_sent, wire_bytes(calls, L.tp))
         cp_block = b * cp_seconds(shape, mb, full_seq, L.tp, L.cp, step_cost.flops_per_second, cp_link, width)
         cp_total = max(cp_total, cp_block)
         costs.append(seconds + tp_seconds + cp_block)
+    boundary = mb * seq_len * shape.n_embd * width  # one micro-batch's hidden states at a stage boundary
+    sends = p2p_bytes(L.micro_batches, L.pp, L.virtual)  # messages the busiest pipeline rank sends per step
+    hop = calibration.link("send", world, pp_span).seconds("send", boundary, 2) if L.pp > 1 else 0.0
     if L.pp == 1:
         compute, bubble = L.micro_batches * costs[0], 0.0
     else:
-        hop = calibration.link("send", world, pp_span).seconds("send", mb * seq_len * shape.n_embd * width, 2)
         unit = max(costs)  # the simulation in units of the busiest stage, cached: many layouts share one
         ratios = (1.0,) if L.virtual > 1 else tuple(round(c / unit, 2) for c in costs)
         step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
@@ -451,11 +536,20 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         pieces = L.grad_collectives if L.zero == 0 and L.grad_collectives > 1 else blocks[busiest] + 1
         exposed = _exposed_dp(L, by_kind, *passes[busiest], pieces)
         dp_comm, dp_hidden = exposed, dp_comm - exposed
+    tied = 0.0
     if L.pp > 1 and L.virtual == 1 and shape.tied_head:  # the tied embedding's gradient between first and last stage
         tied = shape.vocab_size * shape.n_embd // L.tp * width
         dp_comm += calibration.link("all_reduce", world, pp_span).seconds("all_reduce", tied, 2)
+    cp_sent = 0.0
+    if L.cp > 1:  # ring attention's K/V blocks (and dK/dV) per block and micro-batch, the tp rank's key/value heads
+        kv_heads = max(1, (shape.kv_heads or shape.n_head) // L.tp)
+        cp_sent = max(blocks) * L.micro_batches * cp_wire_bytes("ring", mb, kv_heads, full_seq,
+                                                                 shape.n_embd // shape.n_head, L.cp, width).total
+    sent = {"dp": wire_bytes(dp_calls, L.replicas), "tp": tp_sent * L.micro_batches, "cp": cp_sent,
+            "pp": sends * boundary, "embedding": ring_wire_bytes("all_reduce", tied, 2)}
     total_params = sum(rank_parameters(shape, 1, 1))
     share = p / total_params / (L.replicas if L.zero >= 1 else 1)
     optimizer = step_cost.optimizer * share
-    return Priced(L, p, states[busiest], acts * in_flight, in_flight, compute, tp_comm, dp_comm, optimizer, bubble,
-                  working[busiest], cp_comm, dp_hidden)
+    return Priced(L, p, memory.state_bytes, memory.activation_bytes, memory.in_flight, compute, tp_comm, dp_comm,
+                  optimizer, bubble, memory.working_bytes, cp_comm, dp_hidden, sends * hop,
+                  {k: v for k, v in sent.items() if v})

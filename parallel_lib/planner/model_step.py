@@ -23,7 +23,8 @@ import torch
 
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.planner.layout import StepCost
-from parallel_lib.tensor_parallel.cost import GPTShape, training_flops
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import training_flops
 
 __all__ = ["step_key", "fit_step_cost", "solve_step_cost", "time_step", "PROBE_BATCH"]
 

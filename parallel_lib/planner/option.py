@@ -1,8 +1,9 @@
-"""What the planner answers: the strategies' names, one priced layout (:class:`Option`), the
-whole answer (:class:`Plan`), and the bytes a collective sends.
+"""What chapter 05's planner answers: the strategies' names, one priced named layout (:class:`Option`), the
+whole answer (:class:`Plan`).
 
-Kept apart from the planner's search (``strategy.py``) so that every strategy's pricing
-(``strategy.py`` for DP, MP and PP; ``sharded_tensor.py`` for ZeRO and TP) builds the same record.
+Records only: every byte and second in them is a :class:`~parallel_lib.planner.layout.Priced` of
+:func:`~parallel_lib.planner.layout.price`, the one pricing that chapter 10's search uses too; the
+search that fills them is ``strategy.py``.
 """
 
 from __future__ import annotations
@@ -11,68 +12,91 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from parallel_lib.common.checks import positive_int
-from parallel_lib.cost.alpha_beta import allreduce_cost
-from parallel_lib.model_parallel.memory import GiB
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.cost.units import GiB
+from parallel_lib.planner.layout import Layout, Priced, rank_parameters
 
 if TYPE_CHECKING:
     from parallel_lib.planner.hardware import Links
     from parallel_lib.planner.strategy import _Inputs
 
-__all__ = ["PART_ONE", "STRATEGIES", "WHEN_TO_USE", "Option", "Plan", "ring_bytes", "p2p_bytes"]
-
-
-def ring_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes``."""
-    return allreduce_cost(nbytes, world_size, bandwidth=1.0, latency=0.0)
-
-
-def p2p_bytes(boundary_bytes: float, stages: int) -> float:
-    """Bytes the busiest stage sends per step: its output forward and its input's gradient backward.
-
-    ``boundary_bytes`` is one batch's hidden states at one stage boundary; an inner stage
-    sends both directions (2x), the first and last only one, a single stage nothing.
-    """
-    return boundary_bytes * min(2, stages - 1) if stages > 1 else 0.0
+__all__ = ["PART_ONE", "STRATEGIES", "WHEN_TO_USE", "Option", "Plan"]
 
 
 @dataclass(frozen=True)
 class Option:
-    """One strategy on the given cluster: its layout, memory, idle share and traffic."""
+    """One named strategy on the given cluster: the layout it runs as, its pricing, and why it fits or not."""
 
-    strategy: str                  # one of STRATEGIES
-    replicas: int                  # data-parallel copies of the model
-    stages: int                    # devices one copy is split over
-    micro_batches: int             # per replica and step
-    state_bytes: float             # weights, gradients, master copy, optimizer states per device
-    activation_bytes: float        # kept for backward on the busiest device
-    bubble: float                  # idle share of each device's step
-    allreduce_bytes: float         # gradient all-reduce, sent per device per step
-    p2p_bytes: float               # hidden states and their gradients, sent per device per step
-    comm_seconds: float            # both, each on the link its group crosses (the plan's Links)
+    strategy: str                  # one of STRATEGIES ("ZeRO-2": ZeRO at stage 2)
+    layout: Layout
+    priced: Priced                 # layout.price of ``layout``: every number below is read from it
     feasible: bool
     reasons: tuple[str, ...] = field(default=())
-    recompute: bool = False        # activation recomputation (torch.utils.checkpoint per block)
 
     @property
-    def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
+    def replicas(self) -> int:
+        """Data-parallel copies of the model."""
+        return self.layout.dp
+
+    @property
+    def stages(self) -> int:
+        """Devices one copy is split over: pipeline stages times the tensor-parallel degree."""
+        return self.layout.pp * self.layout.tp
+
+    @property
+    def micro_batches(self) -> int:
+        return self.layout.micro_batches
+
+    @property
+    def recompute(self) -> bool:
+        return self.layout.recompute
 
     @property
     def devices(self) -> int:
-        return self.replicas * self.stages
+        return self.layout.devices
+
+    @property
+    def state_bytes(self) -> float:
+        """Weights, gradients, optimizer states per device, and under ZeRO-3 what it gathers while computing."""
+        return self.priced.state_bytes + self.priced.working_bytes
+
+    @property
+    def activation_bytes(self) -> float:
+        return self.priced.activation_bytes
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.priced.memory_bytes
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of a pipeline rank's step: the simulator's idle-to-work ratio as a share of the whole."""
+        return self.priced.bubble / (1 + self.priced.bubble)
+
+    @property
+    def allreduce_bytes(self) -> float:
+        """Sent per device and step over the data-parallel group: the gradient all-reduce, or ZeRO's collectives."""
+        return self.priced.sent.get("dp", 0.0)
+
+    @property
+    def p2p_bytes(self) -> float:
+        """Sent per device and step by the model's split: pipeline hand-overs (and the tied embedding's
+        gradient), tensor- and context-parallel collectives."""
+        return self.priced.sent_bytes - self.allreduce_bytes
 
     @property
     def comm_bytes(self) -> float:
-        return self.allreduce_bytes + self.p2p_bytes
+        return self.priced.sent_bytes
 
     @property
-    def busy_devices(self) -> float:
-        """Devices' worth of useful compute: ``devices * (1 - bubble)``, x 3/4 under recomputation.
+    def comm_seconds(self) -> float:
+        """Every send's and collective's seconds on the link its group crosses, hidden behind compute or not."""
+        return self.priced.comm_seconds
 
-        Backward costs about twice the forward; recomputing the forward makes a step 4 units of
-        work instead of 3 (Korthikanti et al. 2022, sec. 5: "about 33% overhead").
-        """
-        return self.devices * (1 - self.bubble) * (0.75 if self.recompute else 1.0)
+    @property
+    def step_seconds(self) -> float:
+        """The predicted step at the GPUs' published peak: compute, bubble, exposed communication, optimizer."""
+        return self.priced.step_seconds
 
 
 PART_ONE = ("DP", "MP", "PP", "DP×PP")  # chapters 01-05, the default
@@ -84,7 +108,7 @@ WHEN_TO_USE = {
     "PP": "the model does not fit on one device: split it, and fill the pipeline with micro-batches",
     "DP×PP": "a copy of the model needs a few devices and there are many: replicate the pipeline",
     "ZeRO": "the training state does not fit a replica but one layer's work does: shard the state over the "
-            "data-parallel ranks (chapter 06), at the price of more traffic from stage 3 on",
+            "data-parallel ranks (chapter 06), at the price of more traffic from stage 2 on with accumulation",
     "TP×DP": "one layer's weights or activations are too big for a device: split every layer inside a node "
              "(chapter 07), and replicate the node's group",
 }
@@ -95,7 +119,7 @@ class Plan:
     """Every strategy's :class:`Option` for one model, batch and cluster, and the pick."""
 
     model: str
-    n_params: int
+    shape: GPTShape
     seq_len: int
     batch_size: int
     gpu_bytes: float
@@ -103,6 +127,11 @@ class Plan:
     links: "Links"
     options: tuple[Option, ...]
     inputs: "_Inputs" = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+
+    @property
+    def n_params(self) -> int:
+        """The model's parameters (one copy of each: a tied head counted once)."""
+        return sum(rank_parameters(self.shape))
 
     def fits(self, stages: int, replicas: int) -> bool:
         """Whether ``replicas`` copies of the model, each split over ``stages`` GPUs, fit (no recomputation).
@@ -112,41 +141,40 @@ class Plan:
         """
         positive_int("stages", stages)
         positive_int("replicas", replicas)
-        return self.inputs.fits(stages, replicas) is not None
+        return self.inputs.fits_memory(stages, replicas)
 
     @property
     def layout(self) -> Optional[tuple[int, int]]:
         """``(stages, replicas)``: the fewest stages that fit, as many replicas as the GPUs allow; None if none.
 
         Fewer stages mean a smaller bubble and less traffic between stages; every GPU left goes to
-        another replica. Chapter 05's exercise is checked against this very search.
+        another replica. Chapter 05's exercise is checked against this very search (:meth:`fits`).
         """
-        found = self.inputs.search(1, 1)
-        return None if found is None or found.recompute else (found.stages, found.replicas)
+        return self.inputs.layout()
 
     @property
     def best(self) -> Optional[Option]:
-        """The feasible option with the most useful compute; less traffic breaks a tie."""
+        """The feasible option with the shortest predicted step; less memory breaks a tie."""
         feasible = [o for o in self.options if o.feasible]
-        return max(feasible, key=lambda o: (round(o.busy_devices, 9), -o.comm_bytes), default=None)
+        return min(feasible, key=lambda o: (o.step_seconds, o.memory_bytes), default=None)
 
     def option(self, strategy: str) -> Option:
         """The option of one strategy (a name from STRATEGIES)."""
         for o in self.options:
             if o.strategy == strategy or o.strategy.startswith(f"{strategy}-"):  # "ZeRO" finds "ZeRO-2"
                 return o
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}")
+        raise ValueError(f"strategy must be one of {[o.strategy for o in self.options]}, got strategy={strategy!r}")
 
     def table(self) -> str:
         """A fixed-width table of the options."""
         lines = [f"{self.model}, {self.seq_len} tokens x {self.batch_size} sequences per step, "
                  f"{self.n_gpus} GPU(s) of {self.gpu_bytes / GiB:g} GiB, {self.links}",
                  f"{'strategy':<8} {'layout':>9} {'m':>3} {'GiB/device':>10} {'fits':>4} {'bubble':>6} "
-                 f"{'GB sent/device':>14} {'comm s':>7} {'busy GPUs':>9} {'recompute':>9}"]
+                 f"{'GB sent/device':>14} {'comm s':>7} {'step s':>7} {'recompute':>9}"]
         for o in self.options:
             lines.append(f"{o.strategy:<8} {f'{o.replicas}x{o.stages}':>9} {o.micro_batches:>3} "
                          f"{o.memory_bytes / GiB:>10.1f} {'yes' if o.feasible else 'no':>4} {o.bubble:>6.0%} "
-                         f"{o.comm_bytes / 1e9:>14.3f} {o.comm_seconds:>7.3f} {o.busy_devices:>9.1f} "
+                         f"{o.comm_bytes / 1e9:>14.3f} {o.comm_seconds:>7.3f} {o.step_seconds:>7.3f} "
                          f"{'yes' if o.recompute else 'no':>9}")
         return "\n".join(lines)
 
@@ -154,16 +182,14 @@ class Plan:
         """The reasoning: each option's reasons, then the pick."""
         lines = []
         for o in self.options:
-            lines.append(f"{o.strategy} ({o.replicas} replica(s) x {o.stages} stage(s)): "
+            lines.append(f"{o.strategy} ({o.replicas} replica(s) x {o.stages} GPU(s) each, {o.layout.name}): "
                          f"{'feasible' if o.feasible else 'NOT feasible'}")
             lines += [f"  - {reason}" for reason in o.reasons]
         best = self.best
         if best is None:
             lines.append("No strategy fits: add GPUs, use larger ones, shorten the sequences or shrink the batch.")
         else:
-            lines.append(f"Pick: {best.strategy}, {best.replicas} x {best.stages}: the most useful compute, "
-                         f"{best.devices} GPU(s) x (1 - bubble {best.bubble:.0%})"
-                         f"{' x 3/4 (recomputation)' if best.recompute else ''} = "
-                         f"{best.busy_devices:.1f} GPUs' worth "
+            lines.append(f"Pick: {best.strategy}, {best.replicas} x {best.stages}: the shortest predicted step, "
+                         f"{best.step_seconds:.2f} s at the GPUs' published peak "
                          f"({WHEN_TO_USE[best.strategy.split('-')[0]]}).")
         return "\n".join(lines)

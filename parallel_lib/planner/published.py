@@ -55,27 +55,16 @@ not printed in the paper it says so and where it was taken from):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from parallel_lib.cost.units import GiB
 from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
 from parallel_lib.planner.search import LayoutPlan, plan_layouts
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import LLAMA3, GPTShape
 
 __all__ = ["LLAMA3", "PublishedRun", "RUNS", "LONG_CONTEXT", "Compared", "compare_run", "compare_all", "table"]
-
-
-def _llama(n_layer: int, n_embd: int, n_head: int, ffn_hidden: int, context: int = 8192) -> GPTShape:
-    """A Llama 3 decoder: SwiGLU, 8 key/value heads, RMSNorm, RoPE, untied head, no biases, 128,256 tokens."""
-    return GPTShape(n_layer, n_embd, n_head, 128_256, context, ffn_hidden=ffn_hidden, kv_heads=8, gated_mlp=True,
-                    rms_norm=True, bias=False, learned_positions=False, tied_head=False)
-
-
-# Llama Team 2024, "The Llama 3 Herd of Models", table 3 (layers, model dimension, FFN dimension, heads, 8 KV heads)
-LLAMA3 = {"8B": _llama(32, 4096, 32, 14_336), "70B": _llama(80, 8192, 64, 28_672),
-          "405B": _llama(126, 16_384, 128, 53_248)}
 
 
 @dataclass(frozen=True)
@@ -124,7 +113,7 @@ RUNS = (
 # the long-context stage (table 4's 3rd row, p. 10: TP 8, CP 16, PP 16, sequence 131,072, batch size/DP 16,
 # 380 TFLOPs/GPU, 38 % MFU; the row prints DP 4, but 16,384 GPUs and 16M tokens need DP 8, see the docstring):
 # not in RUNS, whose table chapter 10 prints; chapter 11 prices it
-LONG_CONTEXT = PublishedRun("Llama 3 405B, long context", _llama(126, 16_384, 128, 53_248, context=131_072), "H100",
+LONG_CONTEXT = PublishedRun("Llama 3 405B, long context", replace(LLAMA3["405B"], n_positions=131_072), "H100",
                             16384, 128, 131_072,
                             Layout(dp=8, tp=8, pp=16, cp=16, zero=2, sequence_parallel=True, schedule="interleaved",
                                    virtual=2, micro_batches=16, dtype="bf16"),

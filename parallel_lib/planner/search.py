@@ -20,7 +20,7 @@ from parallel_lib.cost.units import GiB, MiB
 from parallel_lib.inference.serving_memory import check_memory_bytes
 from parallel_lib.planner.calibrate import Calibration
 from parallel_lib.planner.layout import Layout, Priced, StepCost, price
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 
 __all__ = ["Candidate", "LayoutPlan", "plan_layouts", "divisors"]
 

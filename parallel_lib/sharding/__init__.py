@@ -6,7 +6,7 @@ its ``zero_measure`` holds the chapter's measurements)::
     python -m parallel_lib.sharding --world-size 2 --stage 3
 """
 
-from parallel_lib.sharding.flat import FlatParamGroup, make_buckets, padded_numel, shard_owner
+from parallel_lib.sharding.flat import FlatParamGroup, padded_numel, shard_owner
 from parallel_lib.sharding.grouping import FlatGroups, flat_groups
 from parallel_lib.sharding.checkpoint import consolidate, load_full, load_shards, save_shards, shard_state
 from parallel_lib.sharding.layers import StageThreeHooks, layer_modules, mean_durations, simulate_zero3, step_events
@@ -24,7 +24,6 @@ from parallel_lib.sharding.zero import COLLECTIVES, PRECISIONS, STAGES, ZeroEngi
 __all__ = [
     "padded_numel",
     "shard_owner",
-    "make_buckets",
     "FlatParamGroup",
     "FlatGroups",
     "flat_groups",

@@ -29,7 +29,7 @@ from torch import nn
 
 from parallel_lib.common.checks import check_int, positive_int
 
-__all__ = ["padded_numel", "shard_owner", "FlatParamGroup", "make_buckets"]
+__all__ = ["padded_numel", "shard_owner", "FlatParamGroup"]
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -48,21 +48,6 @@ def shard_owner(index: int, numel: int, world_size: int) -> int:
     check_int("index", index, minimum=0, maximum=numel - 1,
               hint="padding elements hold no parameter" if index >= numel > 0 else "")
     return index // (padded_numel(numel, world_size) // world_size)
-
-
-def make_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive parameters grouped up to ``cap_bytes`` each (a larger one alone), one dtype per bucket."""
-    buckets: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if buckets and buckets[-1][0].dtype == p.dtype and size + nbytes <= cap_bytes:
-            buckets[-1].append(p)
-            size += nbytes
-        else:
-            buckets.append([p])
-            size = nbytes
-    return buckets
 
 
 class FlatParamGroup:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from torch import nn
 
-from parallel_lib.sharding.flat import make_buckets
+from parallel_lib.data_parallel.buckets import make_buckets
 from parallel_lib.sharding.layers import layer_modules
 
 __all__ = ["FlatGroups", "flat_groups"]

@@ -12,7 +12,8 @@
 """
 
 from parallel_lib.tensor_parallel.convert import gather_dense, tensor_parallelize
-from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, step_collectives
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import layer_collectives, step_collectives
 from parallel_lib.tensor_parallel.parallelize import TPInfo, check_tp_split, parallelize_tp, tp_group_of
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 from parallel_lib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

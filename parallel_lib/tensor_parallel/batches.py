@@ -1,4 +1,4 @@
-"""Chapter 07's run settings and its batches: :class:`TPConfig`, :func:`make_batches`, :func:`saved_activation_bytes`.
+"""Chapter 07's run settings and its batches: :class:`TPConfig` and :func:`make_batches`.
 
 A tensor-parallel (× data-parallel) run is a plan of the one training entry
 (:func:`parallel_lib.training.train`, built from a :class:`TPConfig` by
@@ -17,7 +17,7 @@ import torch
 from parallel_lib.common.checks import check_choice, check_int
 from parallel_lib.common.models import GPT2_SIZES
 
-__all__ = ["TPConfig", "make_batches", "saved_activation_bytes"]
+__all__ = ["TPConfig", "make_batches"]
 
 
 @dataclass(frozen=True)
@@ -78,22 +78,3 @@ def make_batches(config: TPConfig, dp: int = 1) -> list[dict[str, torch.Tensor]]
         batches.append(dict(input_ids=ids[:, :-1], labels=ids[:, 1:], attention_mask=mask,
                             label_token_weights=mask.float()))
     return batches
-
-
-def saved_activation_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
-    """``fn(*args)`` and the bytes of the distinct tensors autograd saved for backward meanwhile.
-
-    Counted by storage (a tensor saved twice, or a parameter, counts once; parameters are
-    left out), as the course counts memory: not process RSS.
-    """
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's bytes are its local shard's
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, sum(seen.values())

@@ -23,7 +23,8 @@ from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import gpt2_config
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import RankInfo, is_torchrun, run
-from parallel_lib.tensor_parallel.cost import GPTShape, step_collectives, wire_bytes
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import step_collectives, wire_bytes
 from parallel_lib.tensor_parallel.batches import TPConfig
 
 __all__ = ["main"]

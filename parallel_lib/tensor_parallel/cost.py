@@ -17,14 +17,15 @@ Per block and pass, with (b, s, h) activations of ``e`` bytes per element:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 from parallel_lib.common.checks import check_number, positive_int
+from parallel_lib.cost.activation import activation_bytes  # the one activation formula (layer 0)
 from parallel_lib.cost.alpha_beta import allreduce_cost
 from parallel_lib.cost.alpha_beta import wire_bytes
+from parallel_lib.cost.shape import GPTShape
 
-__all__ = ["GPTShape", "layer_collectives", "step_collectives", "wire_bytes", "shard_parameters",
+__all__ = ["layer_collectives", "step_collectives", "wire_bytes", "shard_parameters",
            "activation_bytes", "training_flops", "collective_seconds", "step_seconds", "crossover_width",
            "NVLINK_H100"]
 
@@ -33,125 +34,6 @@ Collectives = dict[str, tuple[int, int]]  # kind -> (calls, message bytes), as C
 # NVIDIA H100 SXM datasheet: NVLink 900 GB/s (both directions together, so 450 GB/s per direction);
 # latency of a few microseconds per NCCL ring step (nccl-tests small-message times). A prediction, not measured.
 NVLINK_H100 = dict(bandwidth=450e9, latency=5e-6)
-
-
-@dataclass(frozen=True)
-class GPTShape:
-    """The sizes the formulas need (GPT-2's names), for GPT-2 and Llama-family decoders alike.
-
-    The defaults are GPT-2's block: a 4h GELU MLP, multi-head attention, LayerNorms with biases,
-    biases on every linear layer, learned positions and the head tied to the token embedding.
-    A Llama block sets ``ffn_hidden`` and ``gated_mlp`` (SwiGLU: gate, up and down matrices),
-    ``kv_heads`` (grouped-query attention: ``kv_heads`` key/value heads of ``n_embd / n_head``),
-    ``rms_norm`` (a weight, no bias), ``bias=False``, ``learned_positions=False`` (RoPE) and
-    ``tied_head=False``; ``n_positions`` is then only the longest sequence.
-    """
-
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab_size: int
-    n_positions: int
-    ffn_hidden: int = 0              # 0: 4 · n_embd
-    kv_heads: int = 0                # 0: n_head (no grouped-query attention)
-    gated_mlp: bool = False          # SwiGLU's three matrices instead of two
-    rms_norm: bool = False           # RMSNorm (weight only) instead of LayerNorm (weight and bias)
-    bias: bool = True                # biases on the linear layers
-    learned_positions: bool = True   # a position table (GPT-2) or none (RoPE)
-    tied_head: bool = True           # the head is the token embedding
-
-    @classmethod
-    def of(cls, config: object) -> GPTShape:
-        """From a ``GPT2Config``."""
-        return cls(*(int(getattr(config, k)) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")))
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden or 4 * self.n_embd
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the keys (and of the values): ``kv_heads`` heads of ``n_embd / n_head``."""
-        return (self.kv_heads or self.n_head) * (self.n_embd // self.n_head)
-
-    def matmul_parameters(self) -> int:
-        """One block's weight-matrix elements: the FLOPs of a token through it are twice this."""
-        h = self.n_embd
-        return 2 * h * h + 2 * h * self.kv_dim + (3 if self.gated_mlp else 2) * h * self.ffn
-
-    def block_parameters(self, tp: int = 1) -> int:
-        """One block's parameters on a tensor-parallel rank: matrices and column biases /t; norms, row biases whole."""
-        h, norm = self.n_embd, 1 if self.rms_norm else 2
-        column_biases = (h + 2 * self.kv_dim + (2 if self.gated_mlp else 1) * self.ffn) if self.bias else 0
-        row_biases = 2 * h if self.bias else 0
-        return (self.matmul_parameters() + column_biases) // tp + row_biases + 2 * norm * h
-
-    def check_tp(self, tp: int) -> int:
-        """``tp`` if it divides the heads, the key/value heads and the vocabulary (what tensor parallelism splits).
-
-        Raises:
-            ValueError: ``tp`` is not an int >= 1, or it leaves a head or a vocabulary row in two pieces.
-        """
-        positive_int("tp", tp)
-        kv = self.kv_heads or self.n_head
-        if self.n_head % tp or kv % tp or self.vocab_size % tp:
-            raise ValueError(f"tp={tp} must divide n_head={self.n_head}, kv_heads={kv} and "
-                             f"vocab_size={self.vocab_size}")
-        return tp
-
-    def block_shapes(self, tp: int = 1) -> list[tuple[int, ...]]:
-        """One block's parameter shapes on a tensor-parallel rank, as Hugging Face's classes store them.
-
-        Column-parallel layers (attention's queries, keys and values by heads, grouped-query
-        attention's keys and values by key/value heads, the MLP's up and gate) keep ``1/tp`` of their
-        outputs and biases; row-parallel ones (attention's output projection, the MLP's down) ``1/tp``
-        of their inputs, their biases whole; norms whole. GPT-2's ``Conv1D`` stores (in, out), so its
-        column split is the second dimension; Llama's ``nn.Linear`` stores (out, in).
-
-        Raises:
-            ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
-        """
-        t, h, f, kv = self.check_tp(tp), self.n_embd, self.ffn, self.kv_dim
-        if self.bias and not self.rms_norm:  # GPT-2: ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj
-            return [(h,), (h,), (h, 3 * h // t), (3 * h // t,), (h // t, h), (h,), (h,), (h,), (h, f // t), (f // t,),
-                    (f // t, h), (h,)]
-        mlp = [(f // t, h), (f // t, h)] if self.gated_mlp else [(f // t, h)]
-        return [(h // t, h), (kv // t, h), (kv // t, h), (h, h // t)] + mlp + [(h, f // t), (h,), (h,)]
-
-    def outer_shapes(self, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
-        """The shapes outside the blocks on a tensor-parallel rank (:meth:`outer_parameters`' parts).
-
-        The token embedding and an untied head split by vocabulary rows (vocabulary-parallel), the
-        position table and the final norm whole.
-
-        Raises:
-            ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
-        """
-        t, h, V = self.check_tp(tp), self.n_embd, self.vocab_size
-        norm = [(h,), (h,)] if self.bias and not self.rms_norm else [(h,)]
-        return {"embedding": [(V // t, h)] + ([(self.n_positions, h)] if self.learned_positions else []),
-                "head": [] if self.tied_head else [(V // t, h)], "final_norm": norm}
-
-    def parameter_shapes(self, tp: int = 1) -> list[tuple[int, ...]]:
-        """Every parameter tensor's shape on a tensor-parallel rank, in Hugging Face's order (the tied head once).
-
-        GPT-2 (biases, LayerNorm) in ``GPT2LMHeadModel``'s order with its ``Conv1D`` weights stored
-        (in, out); a Llama shape in ``LlamaForCausalLM``'s, ``nn.Linear`` weights stored (out, in).
-        ``tp`` splits them as :meth:`block_shapes` and :meth:`outer_shapes` say. FSDP2 shards each
-        tensor along its first dimension: :func:`parallel_lib.cost.zero.fsdp_shard_numel`.
-
-        Raises:
-            ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
-        """
-        outer = self.outer_shapes(tp)
-        return outer["embedding"] + self.block_shapes(tp) * self.n_layer + outer["final_norm"] + outer["head"]
-
-    def outer_parameters(self, tp: int = 1) -> dict[str, int]:
-        """What is outside the blocks on a tensor-parallel rank: embedding (+ positions), head, final norm."""
-        h = self.n_embd
-        return {"embedding": self.vocab_size * h // tp + (self.n_positions * h if self.learned_positions else 0),
-                "head": 0 if self.tied_head else self.vocab_size * h // tp,
-                "final_norm": (1 if self.rms_norm else 2) * h}
 
 
 def _add(total: Collectives, kind: str, calls: int, nbytes: int) -> None:
@@ -221,39 +103,7 @@ def shard_parameters(shape: GPTShape, tp: int) -> int:
     Raises:
         ValueError: ``tp`` does not divide the heads, the key/value heads or the vocabulary.
     """
-    shape.check_tp(tp)
-    return shape.n_layer * shape.block_parameters(tp) + sum(shape.outer_parameters(tp).values())
-
-
-def activation_bytes(batch: int, seq: int, shape: GPTShape, tp: int = 1, sequence_parallel: bool = False,
-                     attention_scores: bool = True, dropout: bool = True, bytes_per_element: int = 2,
-                     mask_bytes: int = 1) -> float:
-    """Activation bytes a rank keeps for backward (Korthikanti et al. 2022, eqs. 2–4 with the defaults).
-
-    Per block: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism, where the 10 (the
-    two layer norms' inputs, the two column-parallel layers' inputs, two dropout masks) stays whole
-    on every rank; sequence parallelism splits it too, ``s·b·h·(34/t + 5·a·s/(h·t))``: the
-    column-parallel layers keep only their slice of the input and gather it again in backward
-    (:func:`~parallel_lib.tensor_parallel.regions.sequence_parallel_linear`, as Megatron-LM does).
-
-    The terms, for ``e = bytes_per_element`` and masks of ``mask_bytes``: layer-norm inputs ``2e`` and
-    column-parallel inputs ``2e`` (whole, or ``/t`` under SP), residual dropout masks ``2·mask_bytes``
-    (ditto), q, k, v, the projection's input and the MLP's two ``4h`` tensors ``12e/t``; per attention
-    score (``a·s²·b/t``) the softmax output ``e``, its dropout mask and dropped output ``mask_bytes + e``.
-    The defaults are the paper's 16-bit training with byte masks; ``dropout=False`` leaves the masks
-    and the dropped scores out. Layer norms' statistics (two fp32 values per token and norm) are not
-    counted (the paper leaves them out; they are ``16·b·s`` bytes per block).
-
-    Raises:
-        ValueError: ``bytes_per_element`` or ``mask_bytes`` not an int >= 1.
-    """
-    e, m = positive_int("bytes_per_element", bytes_per_element), positive_int("mask_bytes", mask_bytes)
-    s, b, h, a = seq, batch, shape.n_embd, shape.n_head
-    masks = m if dropout else 0
-    scores = (e + (masks + e if dropout else 0)) * a * s / (h * tp) if attention_scores else 0.0
-    kept_whole = 4 * e + 2 * masks  # norms' and column-parallel layers' inputs, residual dropout masks
-    replicated = kept_whole / tp if sequence_parallel else kept_whole
-    return shape.n_layer * s * b * h * (replicated + 12 * e / tp + scores)
+    return shape.parameters(tp)
 
 
 def training_flops(shape: GPTShape, batch: int, seq: int) -> float:

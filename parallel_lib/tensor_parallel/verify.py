@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from parallel_lib.common.activations import SavedTensors
+from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.common.compare import max_abs_difference
 from parallel_lib.common.models import build_gpt2
 from parallel_lib.models.attention import allowed_keys
@@ -164,7 +164,7 @@ def block_saved_bytes(rank: int, world_size: int, sequence_parallel: bool = Fals
                       batch: int = 2, seq: int = 16) -> int:
     """Bytes autograd saves for backward in one forward of one tensor-parallel GPT-2 block (the tensor census).
 
-    :class:`~parallel_lib.common.activations.SavedTensors` counts each storage once and leaves the
+    :class:`~parallel_lib.common.saved_tensors.SavedTensors` counts each storage once and leaves the
     parameters out; the block's input is a leaf (not counted), the attention mask (``s²`` bools the
     whole model shares) is. Under sequence parallelism the input is this rank's slice of the sequence.
     """

@@ -3,7 +3,7 @@
 Every rank builds the same dense GPT-2, splits it by heads for its tensor-parallel group
 (:func:`~parallel_lib.tensor_parallel.tensor_parallelize`, the one GPT-2 of
 :mod:`parallel_lib.models` with chapter 07's parts swapped in) and runs the blocks of its
-pipeline stage (:func:`~parallel_lib.pipeline_parallel.microbatch.split_layers`, the balance
+pipeline stage (:func:`~parallel_lib.pipeline_parallel.microbatch.stage_blocks`, the balance
 chapters 04 and 05 use): a slice of ``model.transformer.h`` plus the ends::
 
     stage 0:      ids  -> vocab-parallel embedding (g) + positions -> blocks[0:k]          -> hidden
@@ -31,16 +31,11 @@ from torch import nn
 from parallel_lib.context_parallel.layout import shard_positions
 from parallel_lib.models.attention import allowed_keys
 from parallel_lib.models.gpt2 import GPT2
-from parallel_lib.pipeline_parallel.microbatch import split_layers
+from parallel_lib.pipeline_parallel.microbatch import stage_blocks
 from parallel_lib.tensor_parallel import regions as R
 from parallel_lib.tensor_parallel.vocab import VocabParallelHead, vocab_parallel_cross_entropy
 
-__all__ = ["TensorParallelStage", "stage_blocks", "stage_loss", "owned_names", "dense_state"]
-
-
-def stage_blocks(n_layer: int, pp: int) -> list[list[int]]:
-    """The block indices of each of ``pp`` stages (chapter 04's balance)."""
-    return split_layers(n_layer, ["cpu"] * pp, "blocks")[1]
+__all__ = ["TensorParallelStage", "stage_loss", "owned_names", "dense_state"]
 
 
 class TensorParallelStage(nn.Module):

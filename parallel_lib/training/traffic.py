@@ -55,9 +55,11 @@ import torch
 from parallel_lib.common.checks import check_choice, positive_int
 from parallel_lib.cost.zero import zero_collectives
 from parallel_lib.cost.alpha_beta import wire_bytes
-from parallel_lib.sharding.flat import make_buckets, padded_numel
+from parallel_lib.data_parallel.buckets import make_buckets
+from parallel_lib.sharding.flat import padded_numel
 from parallel_lib.sharding.memory import zero_memory
-from parallel_lib.tensor_parallel.cost import GPTShape, layer_collectives, shard_parameters
+from parallel_lib.cost.shape import GPTShape
+from parallel_lib.tensor_parallel.cost import layer_collectives, shard_parameters
 
 __all__ = ["stage_parameters", "stage_tensor_sizes", "dp_groups", "owned_parameters", "expected_traffic",
            "wire_bytes", "state_bytes", "group_sizes", "FLOAT", "BUCKET_CAP_MB"]
@@ -99,7 +101,7 @@ def dp_groups(shape: GPTShape, tp: int, blocks: int, first: bool, last: bool, pp
     """Padded elements of each flat group ``ZeroEngine`` builds over a stage (see the module docstring).
 
     Stages 0-2: the tied copy alone, then the rest in reverse order, in buckets of at most
-    ``bucket_cap_mb`` (:func:`~parallel_lib.sharding.flat.make_buckets`, given empty stand-ins of
+    ``bucket_cap_mb`` (:func:`~parallel_lib.data_parallel.buckets.make_buckets`, given empty stand-ins of
     the tensors); stage 3: the tied copy, what is outside the blocks, then one group per block.
     Each is padded to a multiple of ``dp``.
 

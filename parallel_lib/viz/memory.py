@@ -13,9 +13,9 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from parallel_lib.cost.shape import SHAPES
 from parallel_lib.model_parallel.memory import (
     DTYPE_BYTES,
-    MODEL_SHAPES,
     GiB,
     TrainingMemory,
     memory_verdict,
@@ -93,7 +93,7 @@ def memory_calculator(model: str = "llama-2-7b", dtype: str = "fp16", optimizer:
 
     style = {"description_width": "initial"}
     controls = dict(
-        model=w.Dropdown(options=list(MODEL_SHAPES), value=model, description="model", style=style),
+        model=w.Dropdown(options=list(SHAPES), value=model, description="model", style=style),
         dtype=w.Dropdown(options=list(DTYPE_BYTES), value=dtype, description="dtype", style=style),
         optimizer=w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer", style=style),
         n_devices=w.IntSlider(value=n_devices, min=1, max=16, description="devices", style=style),

@@ -28,7 +28,7 @@ from parallel_lib.planner.hardware import GPUS, published_calibration
 from parallel_lib.planner.layout import Priced, StepCost
 from parallel_lib.planner.published import LLAMA3
 from parallel_lib.planner.search import Candidate, LayoutPlan, plan_layouts
-from parallel_lib.tensor_parallel.cost import GPTShape
+from parallel_lib.cost.shape import GPTShape
 from parallel_lib.viz.timeline import plot_timeline
 from parallel_lib.viz.widgets import figure_panel
 

@@ -1,6 +1,7 @@
 """Choosing a strategy, drawn: the planner's options, the decision map, the widget, measured bars.
 
-Every number drawn here comes from :func:`parallel_lib.planner.strategy.plan` (estimates) or
+Every number drawn here comes from :func:`parallel_lib.planner.strategy.plan` (each named layout priced
+by :func:`parallel_lib.planner.layout.price`) or
 from the measured runs of :mod:`parallel_lib.planner.compare` and :mod:`parallel_lib.training` (chapter 05's DP × PP);
 the widget only calls :func:`plot_plan` and ``Plan.explain`` again when a control
 changes, so the static figure and the interactive one are the same picture.
@@ -16,13 +17,15 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from parallel_lib.model_parallel.memory import MODEL_SHAPES, GiB
+from parallel_lib.cost.shape import SHAPES
+from parallel_lib.cost.units import GiB
 from parallel_lib.planner.hardware import Links
 from parallel_lib.planner.strategy import PART_ONE, Plan, plan
 from parallel_lib.viz.memory import DEVICE_GIB, PARTS
 
-__all__ = ["plot_plan", "plot_decision_map", "plot_measured", "strategy_widget"]
+__all__ = ["DECISION_MODELS", "plot_plan", "plot_decision_map", "plot_measured", "strategy_widget"]
 
+DECISION_MODELS = ["gpt2 (124M)", "gpt2-xl (1.5B)", "llama-2-7b", "llama-2-13b", "llama-2-70b"]  # the map's rows
 STRATEGY_COLORS = {"DP": "#4C72B0", "MP": "#8172B3", "PP": "#DD8452", "DP×PP": "#55A868"}
 # the clusters the widget offers: each group priced on the link it crosses (NVLink inside a node, the network across)
 LINKS = [("DGX H100 · NVLink 450 / InfiniBand 50 GB/s", Links.of("H100")),
@@ -46,7 +49,7 @@ def plot_plan(chosen: Plan, ax: Optional[Axes] = None) -> Figure:
         ax.bar(x, o.activation_bytes / GiB, bottom=o.state_bytes / GiB, color=PARTS["activations"][1],
                hatch=hatch, alpha=alpha)
         ax.text(x, o.memory_bytes / GiB, f"{o.replicas}x{o.stages}, m={o.micro_batches}\nbubble {o.bubble:.0%}\n"
-                f"{o.comm_bytes / 1e9:.2f} GB sent", ha="center", va="bottom", fontsize=8,
+                f"{o.comm_bytes / 1e9:.2f} GB sent\nstep {o.step_seconds:.2f} s", ha="center", va="bottom", fontsize=8,
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.8))
     ax.axhline(chosen.gpu_bytes / GiB, color="black", linestyle="--")
     ax.set_xticks(range(len(names)), names)
@@ -128,7 +131,7 @@ def strategy_widget(model: str = "llama-2-7b", seq_len: int = 4096, batch_size: 
 
     style = {"description_width": "initial"}
     controls = dict(
-        model=w.Dropdown(options=list(MODEL_SHAPES), value=model, description="model", style=style),
+        model=w.Dropdown(options=list(SHAPES), value=model, description="model", style=style),
         seq_len=w.Dropdown(options=[2**k for k in range(7, 15)], value=seq_len, description="sequence length",
                            style=style),
         batch_size=w.IntSlider(value=batch_size, min=1, max=512, description="sequences per step", style=style),
@@ -145,9 +148,9 @@ def strategy_widget(model: str = "llama-2-7b", seq_len: int = 4096, batch_size: 
             f"<tr style='color:{'black' if o.feasible else '#999'}'><td><b>{o.strategy}</b></td>"
             f"<td>{o.replicas} x {o.stages}</td><td>{o.micro_batches}</td><td>{o.memory_bytes / GiB:.1f}</td>"
             f"<td>{'yes' if o.feasible else 'no'}</td><td>{o.bubble:.0%}</td><td>{o.comm_bytes / 1e9:.3f}</td>"
-            f"<td>{o.comm_seconds * 1e3:.0f}</td></tr>" for o in chosen.options)
+            f"<td>{o.comm_seconds * 1e3:.0f}</td><td>{o.step_seconds:.2f}</td></tr>" for o in chosen.options)
         head = ("<tr><th>strategy</th><th>replicas x stages</th><th>m</th><th>GiB per GPU</th><th>fits</th>"
-                "<th>bubble</th><th>GB sent per GPU and step</th><th>comm ms</th></tr>")
+                "<th>bubble</th><th>GB sent per GPU and step</th><th>comm ms</th><th>step s</th></tr>")
         reasoning = chosen.explain().replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
         report.value = f"<table>{head}{rows}</table><pre style='font-size:11px'>{reasoning}</pre>"
         with output:
