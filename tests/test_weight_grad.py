@@ -4,7 +4,10 @@ B then W must give the bits of one whole backward (fp32, CPU), for GPT-2 on one 
 tied to the embedding), for a pipeline's first and last stage (the tied copies), with a parameter
 used outside the recorded operations, and with recomputation. W must run the weight-gradient
 products only: its FLOPs are exactly those of the weight GEMMs, and B's plus W's are one whole
-backward's (under the old per-layer cut, W ran each layer's internal backward again).
+backward's (under the old per-layer cut, W ran each layer's internal backward again). And the
+split costs no more autograd calls than a whole backward: B is the stage's one call, W none
+(when each operation kept a small graph of its own, B called autograd again for every layer norm
+and W once over all the small graphs).
 """
 
 import pytest
@@ -16,6 +19,7 @@ from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.models.gpt2 import GPT2
 from parallel_lib.pipeline_parallel import gpt2_stages, lm_loss
 from parallel_lib.pipeline_parallel.stage import StageRunner
+from parallel_lib.pipeline_parallel.weight_grad import record_weight_ops
 
 CPU = torch.device("cpu")
 WIDTH, VOCAB, SEQ, BATCH = 32, 97, 16, 3
@@ -114,6 +118,64 @@ def test_w_runs_only_the_weight_gemms_and_b_plus_w_is_one_whole_backward():
     weight_gemms = 2 * tokens * (2 * (3 * h * h + h * h + 4 * h * h + 4 * h * h) + h * VOCAB)
     assert w.get_total_flops() == weight_gemms
     assert b.get_total_flops() + w.get_total_flops() == whole.get_total_flops()
+
+
+def test_b_is_the_stages_one_autograd_call_and_w_makes_none(monkeypatch):
+    model = _gpt2()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
+    runner = StageRunner(model, CPU, first=True)
+    saved, _ = runner.forward(ids, lambda logits: model.loss(logits, ids), split=True)
+    calls = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or grad(*a, **k))
+    _, todo = runner.backward_input(saved, None)
+    in_b = len(calls)
+    runner.backward_weight(todo)
+    assert (in_b, len(calls) - in_b) == (1, 0)  # before: (6, 1), a second call for each of the 5 layer norms
+    assert all(p.grad is not None for p in model.parameters())
+
+
+class _Odd(nn.Module):
+    """Calls outside the cut's fast layouts (they keep a small graph) beside ones inside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=-1, scale_grad_by_freq=True)
+        self.up = nn.Linear(6, 6, bias=False)
+        self.norm = nn.LayerNorm(6)
+        self.side = nn.Linear(5, 6)
+        self.bias, self.weight = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, ids):
+        h = self.norm(self.up(self.emb(ids)))  # 3-D: (2, 5, 6)
+        h = self.side(h.transpose(1, 2)).transpose(1, 2)  # a non-contiguous input: a small graph
+        flat = h.reshape(-1, 6)
+        return torch.addmm(self.bias, flat, self.weight, beta=0.5).sum()  # beta: a small graph
+
+
+def test_calls_outside_the_fast_layouts_keep_a_small_graph_and_still_split_bitwise():
+    torch.manual_seed(0)
+    model = _Odd()
+    ids = torch.tensor([[1, 2, 10, 2, 3], [10, 4, 4, 5, 1]])
+    with record_weight_ops() as recorder:
+        model(ids)
+    kinds = [type(op).__name__ for op in recorder.ops]
+    assert kinds == ["_EmbeddingOp", "_LinearOp", "_NormOp", "_GraphOp", "_GraphOp"]
+    runner = StageRunner(model, CPU, first=True)
+    whole, split, _, wrote = _whole_then_split(runner, ids, None, None)
+    assert not wrote
+    assert all(torch.equal(a, b) for a, b in zip(whole, split))
+
+
+def test_under_autocast_the_operations_keep_small_graphs_with_the_cast_operands():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3))
+    runner = StageRunner(model, CPU, first=False)
+    x, grad = torch.randn(4, 6), torch.randn(4, 3, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole, split, (dx_whole, dx_split), _ = _whole_then_split(runner, x, grad=grad)
+    assert all(torch.equal(a, b) for a, b in zip(whole, split))
+    assert torch.equal(dx_whole, dx_split)
 
 
 def test_b_needs_a_forward_that_recorded_its_operations():
