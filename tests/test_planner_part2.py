@@ -56,11 +56,12 @@ def test_tensor_parallel_degree_divides_the_heads_and_stays_inside_a_node():
     # sends (t-1)/t S = S/2. Per block 4 forward (2 AG + 2 RS, Megatron's 2 all-reduces) and 6 backward (2 more
     # all-gathers: the column-parallel inputs SP kept as slices): 5 S. The embedding and head 4 x S/2, the loss 3
     # all-reduces of 2 x 4096 fp32 values (S' = 32,768 each, 2 x 1/2 x S' sent), and SP's gradient all-reduce of
-    # step_collectives' sequence-parallel parameters, (32 x 6h + 2h + 4096 h) x 2 bytes = 35,143,680 (GPT-2's
-    # norms, biases and position table: for Llama an over-count the tensor-parallel cost module owns)
+    # the sequence-parallel parameters' gradients: Llama has no biases and no position table, only two RMSNorm
+    # weights per block and the final norm's, (32 x 2h + h) x 2 bytes = 532,480 (GPT-2's count, 32 x 6h + 2h + 4096 h,
+    # 35,143,680 bytes, was priced here before)
     S = 2 * 4096 * 4096 * 2
-    per_micro_batch = 32 * 5 * S + 2 * S + 3 * 32_768 + 35_143_680
-    assert option.p2p_bytes == 8 * per_micro_batch == 87_255_023_616
+    per_micro_batch = 32 * 5 * S + 2 * S + 3 * 32_768 + 532_480
+    assert option.p2p_bytes == 8 * per_micro_batch == 86_978_134_016
     # a tp rank holds half of each block's matrices (2h² + 2h·kv + 3h·ffn = 202,375,168) and both RMSNorm weights
     # (2h), half the embedding and half the head (32,000 x 4096 each), and the final norm (h)
     params = 32 * (202_375_168 // 2 + 2 * 4096) + 2 * 32_000 * 4096 // 2 + 4096

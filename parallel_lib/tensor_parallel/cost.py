@@ -88,9 +88,11 @@ def step_collectives(shape: GPTShape, batch: int, seq: int, tp: int, sequence_pa
     else:
         _add(total, "all_reduce", 2, 2 * size)      # embedding forward (g), head input backward (f)
     _add(total, "all_reduce", 3, 3 * batch * seq * 4)  # the loss: max, target logit, sum of exp (fp32)
-    if sequence_parallel:  # layer norms (weight, bias), two row biases per block; ln_f; position embedding
-        h = shape.n_embd
-        _add(total, "all_reduce", 1, (shape.n_layer * 6 * h + 2 * h + shape.n_positions * h) * e)
+    if sequence_parallel:  # what each rank holds whole and sees only its tokens' share of: the gradients' sum
+        h, norm = shape.n_embd, (1 if shape.rms_norm else 2)  # RMSNorm: a weight; LayerNorm: weight and bias
+        per_block = 2 * norm * h + (2 * h if shape.bias else 0)  # two norms, two row-parallel biases (GPT-2)
+        whole = shape.n_layer * per_block + norm * h + (shape.n_positions * h if shape.learned_positions else 0)
+        _add(total, "all_reduce", 1, whole * e)
     return total
 
 
