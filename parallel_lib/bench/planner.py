@@ -22,12 +22,11 @@ import torch
 import torch.distributed as dist
 
 from parallel_lib.common import tables
-from parallel_lib.common.activations import measure_step_activations
 from parallel_lib.common.models import build_gpt2, gpt2_config
 from parallel_lib.planner.__main__ import describe
 from parallel_lib.planner.calibrate import SIZES, Calibration, RankSpeed, calibrate, collective_worker
 from parallel_lib.planner.layout import Layout, price
-from parallel_lib.planner.model_step import PROBE_BATCH, step_key, time_step
+from parallel_lib.planner.model_step import PROBE_BATCH, entry_step, step_key, time_step
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.environment import machine_label
 from parallel_lib.runtime.launcher import launch
@@ -152,23 +151,19 @@ def _step_time(per_rank: Sequence[Sequence[float]]) -> float:
 
 
 def _single(calibration: Calibration, steps: int) -> list[Row]:
-    """One process, plain and with recomputation: forward + backward time, against the compute prediction."""
+    """One process, plain and with recomputation: the training entry's forward + backward
+    (:func:`~parallel_lib.planner.model_step.entry_step`), against the compute prediction."""
     rows = []
     model = build_gpt2("tiny", vocab_size=VOCAB, seed=0, n_positions=SEQ)
     shape = GPTShape.of(model.config)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for recompute in (False, True):
-            load = time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3) / calibration.at(1).step_times[KEY]
-            times = [measure_step_activations(model, [ids], recompute).seconds for _ in range(steps)]
-            p = price(Layout(recompute=recompute), shape, BATCH, SEQ, calibration.slowed(1, load), KEY)
-            state = 16.0 * sum(q.numel() for q in model.parameters())
-            rows.append(Row(p.layout, "activations.measure_step_activations (forward + backward only)", p.compute,
-                            statistics.median(times[1:]), p.state_bytes, state, "parameters x 16 (AdamW fp32)", load))
-    finally:
-        torch.set_num_threads(threads)
+    state = 16.0 * sum(q.numel() for q in model.parameters())
+    for recompute in (False, True):
+        load = time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3) / calibration.at(1).step_times[KEY]
+        with entry_step("tiny", VOCAB, SEQ) as seconds:
+            times = [seconds(BATCH, recompute) for _ in range(steps)]
+        p = price(Layout(recompute=recompute), shape, BATCH, SEQ, calibration.slowed(1, load), KEY)
+        rows.append(Row(p.layout, "model_step.entry_step (forward + backward only)", p.compute,
+                        statistics.median(times[1:]), p.state_bytes, state, "parameters x 16 (AdamW fp32)", load))
     return rows
 
 

@@ -9,8 +9,8 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
   against the same step in one process alone, which scales the model's step cost (below);
 - **a model's step**: a CPU reaches the 512 × 512 matmul rate only on large matrices; a GPT-2 step
   of a small model spends much of its time outside matrix products (kernel dispatch, autograd,
-  layer norms, the optimizer). :func:`fit_step_cost` times one rank's forward + backward at two
-  batch sizes and splits it into a fixed cost per block and micro-batch and a FLOP rate;
+  layer norms, the optimizer). :func:`fit_step_cost` times one rank's forward + backward, through the
+  training entry's own code, at four batch sizes and splits it into a fixed cost per block and micro-batch and a FLOP rate;
 - **communication**: an α–β fit per collective — all-reduce, reduce-scatter, all-gather and
   send/recv — of ``t = hops·α + wire_bytes/β`` (hops: ring steps; wire bytes: what one rank
   sends, :mod:`parallel_lib.cost.alpha_beta`, the course's one α–β model), timed on this machine's gloo ranks
