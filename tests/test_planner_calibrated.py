@@ -170,17 +170,19 @@ def test_one_device_is_priced_with_a_calibration_of_one_process_alone():
 
 
 def test_a_cache_measured_the_old_way_is_measured_again(tmp_path, monkeypatch):
-    """Version 1 timed collectives back to back: its α lacks the waits a step pays (issue #21, item 8)."""
+    """Version 1 timed collectives back to back: its α lacks the waits a step pays (issue #21, item 8); version 2
+    timed a bare model step, not the training entry's, and the mean rank's, not the slowest's."""
     from parallel_lib.planner import calibrate as calibrate_module
     from parallel_lib.planner.calibrate import machine_key
     from parallel_lib.planner.calibration_cache import load_or_calibrate
 
     monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
     (tmp_path / f"planner-{machine_key()}.json").write_text(CAL.to_json())  # where version 1 kept it
+    (tmp_path / f"planner-v2-{machine_key()}.json").write_text(CAL.to_json())  # and version 2
     measured = []
     monkeypatch.setattr(calibrate_module, "calibrate", lambda **kw: measured.append(kw) or CAL)
     load_or_calibrate()
-    assert measured == [{}] and cache_path().exists() and cache_path().name.startswith("planner-v2-")
+    assert measured == [{}] and cache_path().exists() and cache_path().name.startswith("planner-v3-")
     load_or_calibrate()  # the new cache is read back, not measured again
     assert measured == [{}]
 

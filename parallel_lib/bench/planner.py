@@ -190,7 +190,7 @@ def run_layouts(work: Sequence[tuple[Layout, str, Any, GPTShape]], world_size: i
     return rows
 
 
-def measure(steps: int = 5, world_sizes: Sequence[int] = (2, 4), quick: bool = False, repeats: int = 5,
+def measure(steps: int = 11, world_sizes: Sequence[int] = (2, 4), quick: bool = False, repeats: int = 5,
             timeout: float = 600.0) -> tuple[Calibration, list[Row]]:
     """Calibrate (one process here, each world size at the start of its launch), run every layout, price it."""
     calibration = calibrate(world_sizes=(), repeats=repeats)
@@ -219,7 +219,7 @@ def markdown(rows: Sequence[Row], machine: Optional[str] = None) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lib.bench planner", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two layouts on 2 ranks, a short calibration")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=11)  # medians of 10 steps: 4 ranks on 2 cores vary step to step
     args = parser.parse_args(argv)
     if args.quick:
         calibration, rows = measure(steps=2, world_sizes=(2,), quick=True, repeats=2)

@@ -108,11 +108,15 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
 
     # a model step on every rank at once, against the same step in one process alone
     models = sorted(alone.ranks[1].step_times) if alone is not None else []
-    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second] +
-                           [time_step(*_model_of(key), repeats=repeats) for key in models], dtype=torch.float64,
-                           device=device)
-    dist.all_reduce(numbers)  # the mean rank: every rank runs the same share of a layout
+    numbers = torch.tensor([speed.flops_per_second, speed.bytes_per_second], dtype=torch.float64, device=device)
+    dist.all_reduce(numbers)  # the mean rank's rates
     numbers /= world_size
+    # the slowest rank's step: a layout's step waits for it at its first collective (4 ranks on 2 cores: DP4's
+    # ranks computed in 26-31 ms beside each other, and the others waited for the slowest in their all-reduce)
+    slowest = torch.tensor([time_step(*_model_of(key), repeats=repeats) for key in models] or [0.0],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    numbers = torch.cat([numbers, slowest])
     steps, step_times = {}, {}
     for k, key in enumerate(models):
         assert alone is not None

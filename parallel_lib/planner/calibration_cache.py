@@ -21,7 +21,7 @@ from parallel_lib.planner.calibrate import Calibration, check_world_sizes, machi
 
 __all__ = ["VERSION", "cache_path", "load_calibration", "load_or_calibrate"]
 
-VERSION = 2  # bump whenever the calibration measures differently: older caches are then measured again
+VERSION = 3  # bump whenever the calibration measures differently: older caches are then measured again
 
 
 def cache_path(key: Optional[str] = None) -> Path:
