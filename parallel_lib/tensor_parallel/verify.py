@@ -135,6 +135,9 @@ def bad_input_check(rank: int, world_size: int) -> dict[str, str]:
     except ValueError as e:
         errors["heads"] = str(e)
     others = torch.distributed.new_group([r for r in range(world_size) if r != 0])
+    # every rank waits until the group's members have connected: a member that returned (and left) while
+    # another was still connecting to it made that one fail with "connection closed by peer" (CI, loaded)
+    torch.distributed.barrier()
     if rank == 0:
         try:
             tensor_parallelize(build_gpt2("tiny", vocab_size=96, n_head=2), others)
