@@ -103,10 +103,11 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
 
 
 def _probe() -> float:
-    """Seconds of one step of the calibration's model on every rank at once, averaged: how busy the machine is now."""
+    """Seconds of one step of the calibration's model on every rank at once, the slowest rank's (as the
+    calibration takes it): how busy the machine is now."""
     seconds = torch.tensor(time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3), device=rank_device())  # NCCL: on the GPU
-    dist.all_reduce(seconds)
-    return float(seconds) / dist.get_world_size()
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
 
 
 def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], alone: Calibration, repeats: int = 5,
