@@ -160,7 +160,7 @@ def _single(calibration: Calibration, steps: int) -> list[Row]:
     state = 16.0 * sum(q.numel() for q in model.parameters())
     for recompute in (False, True):
         load = time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3) / calibration.at(1).step_times[KEY]
-        with entry_step("tiny", VOCAB, SEQ) as seconds:
+        with entry_step("tiny", VOCAB, SEQ) as (seconds, _):
             times = [seconds(BATCH, recompute) for _ in range(steps)]
         p = price(Layout(recompute=recompute), shape, BATCH, SEQ, calibration.slowed(1, load), KEY)
         rows.append(Row(p.layout, "model_step.entry_step (forward + backward only)", p.compute,

@@ -77,8 +77,10 @@ def _group_of_one() -> Iterator[Any]:
 
 
 @contextmanager
-def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64) -> Iterator[Callable[..., float]]:
-    """``seconds(batch, recompute=False)``: one forward + backward through the training entry's own code, alone.
+def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64
+               ) -> Iterator[tuple[Callable[..., float], torch.nn.Module]]:
+    """``(seconds, stage)``: ``seconds(batch, recompute=False)`` times one forward + backward through the training
+    entry's own code, on this process alone; ``stage`` is the model it runs (its parameters, its config).
 
     What a layout's rank runs (:mod:`parallel_lib.training.run`): the GPT-2 converted for tensor
     parallelism at tp = 1 (its vocabulary-parallel loss included), one pipeline stage holding it all,
@@ -107,7 +109,7 @@ def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64) ->
                 runner.backward(saved, None)
                 return time.perf_counter() - start
 
-            yield seconds
+            yield seconds, stage
     finally:
         torch.set_num_threads(threads)
 
@@ -120,7 +122,7 @@ def time_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, bat
     other ranks (and whatever else the machine runs), on the training entry's own code
     (:func:`entry_step`) rather than a matmul.
     """
-    with entry_step(model, vocab_size, seq_len) as seconds:
+    with entry_step(model, vocab_size, seq_len) as (seconds, _):
         return statistics.median([seconds(batch) for _ in range(repeats + 1)][1:])
 
 
@@ -128,27 +130,22 @@ def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64,
                   repeats: int = 5) -> StepCost:
     """Time this process's forward + backward (:func:`entry_step`, median of ``repeats``) at each batch size,
     one thread, and one AdamW step of the model's parameters."""
-    with entry_step(model, vocab_size, seq_len) as step:
-        seconds = []
-        for b in batches:
-            seconds.append(statistics.median([step(b) for _ in range(repeats + 1)][1:]))  # the first: warm-up
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        net = build_gpt2(model, vocab_size=vocab_size, seed=0, n_positions=max(seq_len, 16))
-        for p in net.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer = torch.optim.AdamW(net.parameters())
-        steps = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            optimizer.step()
-            steps.append(time.perf_counter() - start)
-        shape = GPTShape.of(net.config)
+    with entry_step(model, vocab_size, seq_len) as (step, stage):
+        seconds = [statistics.median([step(b) for _ in range(repeats + 1)][1:]) for b in batches]  # 1st: warm-up
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         try:
-            return solve_step_cost(shape, seq_len, batches, seconds, statistics.median(steps[1:]))
-        except ValueError:  # a busy moment made the small batch slower: no fixed part, the large batch's rate
-            rate = training_flops(shape, batches[-1], seq_len) / seconds[-1]
-            return StepCost(0.0, rate, statistics.median(steps[1:]))
-    finally:
-        torch.set_num_threads(threads)
+            optimizer = torch.optim.AdamW(stage.parameters())  # the gradients of the last step are there
+            steps = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                optimizer.step()
+                steps.append(time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(threads)
+        shape = GPTShape.of(stage.model.config)
+    try:
+        return solve_step_cost(shape, seq_len, batches, seconds, statistics.median(steps[1:]))
+    except ValueError:  # a busy moment made the small batch slower: no fixed part, the large batch's rate
+        rate = training_flops(shape, batches[-1], seq_len) / seconds[-1]
+        return StepCost(0.0, rate, statistics.median(steps[1:]))
