@@ -159,6 +159,26 @@ def test_calibration_round_trips_and_caches_outside_the_repository(tmp_path, mon
     assert again.ranks[4].links["send"] == LINK and again.step_cost("m", 4) == (2.0, 1.0, 6.0)  # 2x slower
 
 
+def test_tensor_parallel_pairs_are_priced_with_the_fit_inside_a_step_and_nothing_else_is():
+    """Item 8: a tp pair's collectives cost what the calibration timed inside real split steps; the data-parallel
+    and pipeline groups keep the ring's interleaved fit, and so do wider tp groups (the fit is of pairs)."""
+    inside = AlphaBeta(1e-3, 1e9)  # ten times the ring's latency: the waits a step's calls pay
+    pairs = dataclasses.replace(CAL, ranks={n: dataclasses.replace(r, inside={k: inside for k in KINDS})
+                                            for n, r in CAL.ranks.items()})
+    tp = Layout(dp=2, tp=2)
+    plain, timed = price(tp, SHAPE, 16, 64, CAL, COST), price(tp, SHAPE, 16, 64, pairs, COST)
+    # tiny GPT-2 at tp = 2 on 8 rows: 4 blocks x 4 all-reduces (2 forward, 2 backward), the vocabulary-parallel
+    # embedding's output and the head's input gradient, the loss's 3 (max, sum of exponentials, target logit;
+    # chapter 07): 21, each 2 ring steps
+    assert timed.tp_comm - plain.tp_comm == pytest.approx(21 * 2 * (inside.alpha - LINK.alpha))
+    assert timed.dp_comm == plain.dp_comm and timed.step_seconds - plain.step_seconds == pytest.approx(42 * 9e-4)
+    for layout in (Layout(dp=4), Layout(pp=2, dp=2, micro_batches=2), Layout(tp=4)):
+        assert price(layout, SHAPE, 16, 64, pairs, COST) == price(layout, SHAPE, 16, 64, CAL, COST), layout.name
+    again = Calibration.from_json(pairs.to_json())
+    assert again.ranks[4].inside == {k: inside for k in KINDS} and again.link("all_reduce", 4, 2, True) == inside
+    assert again.link("all_reduce", 4, 2) == LINK  # outside a step (a data-parallel pair): the ring's fit
+
+
 def test_one_device_is_priced_with_a_calibration_of_one_process_alone():
     """The full bench prices one device with the calibration of one process, which has no collective fit."""
     alone = Calibration("one", {1: RankSpeed(1, 1e10, 1e10)})  # measured alone: no links
@@ -179,10 +199,11 @@ def test_a_cache_measured_the_old_way_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
     (tmp_path / f"planner-{machine_key()}.json").write_text(CAL.to_json())  # where version 1 kept it
     (tmp_path / f"planner-v2-{machine_key()}.json").write_text(CAL.to_json())  # and version 2
+    (tmp_path / f"planner-v3-{machine_key()}.json").write_text(CAL.to_json())  # version 3: no pairs inside a step
     measured = []
     monkeypatch.setattr(calibrate_module, "calibrate", lambda **kw: measured.append(kw) or CAL)
     load_or_calibrate()
-    assert measured == [{}] and cache_path().exists() and cache_path().name.startswith("planner-v3-")
+    assert measured == [{}] and cache_path().exists() and cache_path().name.startswith("planner-v4-")
     load_or_calibrate()  # the new cache is read back, not measured again
     assert measured == [{}]
 
@@ -194,6 +215,8 @@ def test_bench_quick_prints_every_row_with_predicted_and_measured(capsys):
     assert main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "| DP2 |" in out and "| PP2 1f1b m=4 |" in out and "model states within 1 %" in out
+    # the launch timed its pair's all-reduces, all-gathers and reduce-scatters inside real split steps
+    assert re.search(r"all_reduce in tp pairs inside a step α \d+ µs.*reduce_scatter in tp pairs inside a step", out)
     assert "<=1%" in out and "<=5%" not in out  # the issue's goal for model state: within 1 %
 
 
@@ -220,6 +243,9 @@ def _with(path: list, value) -> bytes:
     (_with(["ranks", "4", "links", "send", "alpha"], float("nan")), r"alpha must be a finite number >= 0, got nan"),
     (_with(["ranks", "4", "links", "send", "alpha"], -1e-4), r"alpha must be a finite number >= 0, got -0.0001"),
     (_with(["ranks", "4", "links", "send", "bandwidth"], 0), r"bandwidth must be a finite number > 0, got 0"),
+    (_with(["ranks", "4", "inside"], {"all_reduce": {"alpha": 1e-3}}), r"ranks\['4'\]\.inside\['all_reduce'\]: expected"),
+    (_with(["ranks", "4", "inside"], {"all_reduce": {"alpha": -1.0, "bandwidth": 1e9}}),
+     r"inside\['all_reduce'\]\.alpha must be a finite number >= 0"),
     (_with(["ranks", "1", "world_size"], 2), "world_size=2 is not its key 1"),
 ])
 def test_a_damaged_calibration_cache_names_the_file_and_the_way_out(tmp_path, monkeypatch, capsys, content, why):

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from parallel_lib.bench import _tp_runs
 from parallel_lib.bench import tp as tp_bench
 from parallel_lib.bench.__main__ import main as bench_dispatch
-from parallel_lib.bench._tp_runs import Run, timed_collectives, timed_steps
+from parallel_lib.bench._tp_runs import Run, timed_steps
+from parallel_lib.runtime.timed_collectives import timed_collectives
 from parallel_lib.bench.tp import QUICK, Results, in_step_fit, markdown, measure
 from parallel_lib.runtime import count_collectives, machine_label
 from parallel_lib.runtime.compat import all_gather_single

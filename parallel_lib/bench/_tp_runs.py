@@ -21,12 +21,11 @@ dispatch mode sees every operator, which costs a step a few milliseconds of Pyth
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,18 +34,13 @@ from parallel_lib.common.models import build_gpt2
 from parallel_lib.common.saved_tensors import SavedTensors
 from parallel_lib.data_parallel.ring import fit_allreduce_cost
 from parallel_lib.runtime.collectives import count_collectives
-from parallel_lib.runtime.compat import collective_name
+from parallel_lib.runtime.timed_collectives import timed_collectives
 from parallel_lib.tensor_parallel.convert import tensor_parallelize
 from parallel_lib.tensor_parallel.sequence import sync_sequence_parallel_grads
 
-__all__ = ["Run", "IMPLEMENTATIONS", "timed_collectives", "timed_steps", "allreduce_fit", "measure_all"]
+__all__ = ["Run", "IMPLEMENTATIONS", "timed_steps", "allreduce_fit", "measure_all"]
 
 IMPLEMENTATIONS = ("course", "course+SP", "DTensor")
-
-# the torch.distributed functions the course's split calls (through the module attribute), and their kind
-_TIMED = {"all_reduce": "all_reduce", collective_name("all_gather_single"): "all_gather",
-          collective_name("reduce_scatter_single"): "reduce_scatter"}
-
 
 @dataclass(frozen=True)
 class Run:
@@ -62,37 +56,6 @@ class Run:
     # per call in step order: (kind, message bytes, median transfer s after all arrived, median s in the call)
     collectives: tuple[tuple[str, int, float, float], ...] = ()
     threads: int = 0                # torch.get_num_threads() in the rank
-
-
-@contextmanager
-def timed_collectives() -> Iterator[list[tuple[str, int, float, float]]]:
-    """Record ``(kind, message bytes, entry, exit)`` of every all-reduce, all-gather and reduce-scatter in the block.
-
-    Yields the list the calls are appended to. Times are ``time.perf_counter`` (the system-wide
-    monotonic clock on Linux, so entries of ranks on one host compare); the functions are put back on exit. Only calls through ``torch.distributed``'s module attributes are seen (the course's
-    :mod:`~parallel_lib.tensor_parallel.regions` calls them so); DTensor's functional collectives are not.
-    """
-    calls: list[tuple[str, int, float, float]] = []
-    originals = {name: getattr(dist, name) for name in _TIMED}
-
-    def timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            # the message as the counter records it: the tensor, or the whole (gathered, scattered) one
-            tensor = max(args[:2], key=torch.Tensor.numel) if name != "all_reduce" else args[0]
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            calls.append((_TIMED[name], tensor.numel() * tensor.element_size(), start, time.perf_counter()))
-            return out
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, timed(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _model(impl: str, name: str, vocab: int, overrides: dict[str, Any], group: Any = None) -> torch.nn.Module:

@@ -102,10 +102,13 @@ def jobs(world_size: int, steps: int, quick: bool = False) -> list[tuple[Layout,
     return [zero(0), zero(2), tp(2, False), pipe(2, "1f1b", 2), grid(False), grid(True)]
 
 
-def _probe() -> float:
-    """Seconds of one step of the calibration's model on every rank at once, the slowest rank's (as the
-    calibration takes it): how busy the machine is now."""
-    seconds = torch.tensor(time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3), device=rank_device())  # NCCL: on the GPU
+def _probe(repeats: int) -> float:
+    """Seconds of one step of the calibration's model on every rank at once, the slowest rank's median of
+    ``repeats`` (as the calibration takes it): how busy the machine is now."""
+    # every rank starts together: ranks that left the last run early would probe beside fewer busy ranks (idle
+    # 2-core machine, 4 ranks: the probe read a median 0.89 of the calibration, 0.53-1.09, without this; 0.95 with)
+    dist.barrier()
+    seconds = torch.tensor(time_step("tiny", VOCAB, SEQ, PROBE_BATCH, repeats), device=rank_device())  # NCCL: GPU
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return float(seconds)
 
@@ -124,9 +127,9 @@ def run_jobs(rank: int, world_size: int, work: Sequence[tuple[str, Any]], alone:
     if work and warm_up:  # a first run pays for lazy set-up (allocator, gloo pairs, kernels): one short run, not timed
         _run(rank, world_size, work[0][0], _shortened(work[0][1]))
     for engine, config in work:
-        before = _probe()
+        before = _probe(repeats)
         times, state = _run(rank, world_size, engine, config)
-        out.append((times, state, (before + _probe()) / 2))  # the machine's speed around the run
+        out.append((times, state, (before + _probe(repeats)) / 2))  # the machine's speed around the run
     return speed, out
 
 
@@ -151,7 +154,7 @@ def _step_time(per_rank: Sequence[Sequence[float]]) -> float:
     return statistics.median(slowest[1:] or slowest)
 
 
-def _single(calibration: Calibration, steps: int) -> list[Row]:
+def _single(calibration: Calibration, steps: int, repeats: int = 5) -> list[Row]:
     """One process, plain and with recomputation: the training entry's forward + backward
     (:func:`~parallel_lib.planner.model_step.entry_step`), against the compute prediction."""
     rows = []
@@ -159,7 +162,7 @@ def _single(calibration: Calibration, steps: int) -> list[Row]:
     shape = GPTShape.of(model.config)
     state = 16.0 * sum(q.numel() for q in model.parameters())
     for recompute in (False, True):
-        load = time_step("tiny", VOCAB, SEQ, PROBE_BATCH, 3) / calibration.at(1).step_times[KEY]
+        load = time_step("tiny", VOCAB, SEQ, PROBE_BATCH, repeats) / calibration.at(1).step_times[KEY]
         with entry_step("tiny", VOCAB, SEQ) as (seconds, _):
             times = [seconds(BATCH, recompute) for _ in range(steps)]
         p = price(Layout(recompute=recompute), shape, BATCH, SEQ, calibration.slowed(1, load), KEY)
@@ -195,7 +198,7 @@ def measure(steps: int = 11, world_sizes: Sequence[int] = (2, 4), quick: bool = 
             timeout: float = 600.0) -> tuple[Calibration, list[Row]]:
     """Calibrate (one process here, each world size at the start of its launch), run every layout, price it."""
     calibration = calibrate(world_sizes=(), repeats=repeats)
-    rows = [] if quick else _single(calibration, steps)
+    rows = [] if quick else _single(calibration, steps, repeats)
     for n in world_sizes:
         rows += run_layouts(jobs(n, steps, quick), n, calibration, repeats, not quick, timeout)
     return calibration, rows

@@ -31,6 +31,8 @@ def describe(calibration: Calibration) -> str:
                           for key, (fixed, rate, _) in speed.step_costs.items())
         links = "; ".join(f"{kind} α {ab.alpha * 1e6:.0f} µs, β {ab.bandwidth / 1e9:.2f} GB/s"
                           for kind, ab in speed.links.items()) or "—"
+        links += "".join(f"; {kind} in tp pairs inside a step α {ab.alpha * 1e6:.0f} µs, β {ab.bandwidth / 1e9:.2f} GB/s"
+                         for kind, ab in speed.inside.items())
         rows.append([n, f"{speed.flops_per_second / 1e9:.1f}", f"{speed.bytes_per_second / 1e9:.1f}", steps, links])
     return (f"Calibration of {calibration.machine}\n\n" +
             tables.markdown_table(["ranks", "matmul GFLOP/s per rank", "copy GB/s per rank", "model step",

@@ -17,6 +17,8 @@ A prediction of step time needs four kinds of numbers, all measured here in a fe
   the way a step runs them: each call after a short piece of compute whose length differs a little
   between ranks (:mod:`parallel_lib.planner.interleaved`), so α holds the wait for the slowest rank
   and for a waiting process to be scheduled again, which collectives run back to back never pay;
+  and the all-reduce of tensor-parallel pairs timed inside real split steps of the model
+  (:func:`inside_step_fit`), which a layout's tensor-parallel collectives are priced with;
 - bubbles come from the schedule simulator, not from here.
 
 ``python -m parallel_lib.planner calibrate`` runs it and caches the result per machine
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -42,10 +45,11 @@ import torch.distributed as dist
 from parallel_lib.common.checks import check_choice, check_int
 from parallel_lib.common.machine_speed import measure_machine_speed
 from parallel_lib.cost.alpha_beta import KINDS, AlphaBeta, fit_alpha_beta, hops
-from parallel_lib.planner.interleaved import Action, compute_pieces, dist_world, fit_interleaved
+from parallel_lib.planner.interleaved import Action, World, compute_pieces, dist_world, fit_interleaved
 from parallel_lib.runtime.compat import all_gather_single, reduce_scatter_single
 from parallel_lib.runtime.device import rank_device
 from parallel_lib.runtime.launcher import launch
+from parallel_lib.runtime.timed_collectives import timed_collectives
 
 __all__ = ["KINDS", "AlphaBeta", "RankSpeed", "Calibration", "hops", "fit_alpha_beta", "collective_worker",
            "calibrate", "check_world_sizes", "machine_key"]
@@ -62,6 +66,7 @@ class RankSpeed:
     links: dict = field(default_factory=dict)  # kind -> AlphaBeta (over all world_size ranks)
     step_costs: dict = field(default_factory=dict)  # model key -> (fixed, FLOP/s, optimizer), model_step.fit_step_cost
     step_times: dict = field(default_factory=dict)  # model key -> seconds of one PROBE_BATCH step, every rank at once
+    inside: dict = field(default_factory=dict)  # kind -> AlphaBeta in tensor-parallel pairs, timed inside real steps
 
     def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
         return self.links[kind].seconds(kind, nbytes, group_size) if group_size > 1 else 0.0
@@ -127,7 +132,57 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
     pieces, world = compute_pieces(rank, device=device), dist_world(device)
     links = {kind: fit_interleaved(kind, world_size, sizes, lambda nbytes, kind=kind: _collective(
         kind, nbytes, rank, world_size, device), pieces, repeats, world) for kind in KINDS}
-    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links, steps, step_times)
+    inside = inside_step_fit(rank, world_size, models[0], repeats, world) if models else {}
+    return RankSpeed(world_size, float(numbers[0]), float(numbers[1]), links, steps, step_times, inside)
+
+
+PAIR = 2  # the tensor-parallel groups timed inside a step: neighbouring ranks, tp fastest (the runtime's mesh order)
+
+
+def inside_step_fit(rank: int, world_size: int, key: str, repeats: int, world: World) -> dict[str, AlphaBeta]:
+    """Tensor-parallel pairs' α–β, fitted to the calls of real training steps: all-reduce, and sequence
+    parallelism's all-gather and reduce-scatter.
+
+    Every pair of neighbouring ranks runs model ``key``'s forward + backward split over the pair
+    (:func:`~parallel_lib.planner.model_step.entry_step`), all pairs at once, at three batch sizes, without
+    and with sequence parallelism; each collective is timed where it is called
+    (:func:`~parallel_lib.runtime.timed_collectives.timed_collectives`). The fit takes, per message size, the mean call (a step pays every call, the slow ones too: a
+    partner that arrived late, a rank not scheduled yet), the slowest rank's. Tensor parallelism's
+    collectives sit between short, uneven pieces of Python and kernels; the pieces of
+    :func:`~parallel_lib.planner.interleaved.fit_interleaved` are single matrix products, and on this
+    2-core machine their fit priced a tp = 2 step's all-reduces at 17.6 ms where the step spent 26 ms in
+    them; among 4 ranks the ring of 4's fit priced DP2 × TP2's and TP2 × PP2's at 1.1–1.9 times what
+    their steps spent (issue #21).
+
+    Returns:
+        ``{kind: AlphaBeta}`` for the three kinds, or ``{}`` when ``world_size`` is odd (no pairs to form).
+    """
+    from parallel_lib.planner.model_step import PROBE_BATCH, entry_step  # model_step builds on this module
+
+    if world_size % PAIR:
+        return {}
+    pairs = [dist.new_group(list(range(r, r + PAIR))) for r in range(0, world_size, PAIR)]  # every rank, every group
+    samples: dict[str, dict[int, list[float]]] = {kind: {} for kind in ("all_reduce", "all_gather", "reduce_scatter")}
+    for sequence_parallel, kinds in ((False, ("all_reduce",)), (True, ("all_gather", "reduce_scatter"))):
+        with entry_step(*_model_of(key), group=pairs[rank // PAIR], sequence_parallel=sequence_parallel) \
+                as (seconds, _):
+            for batch in (PROBE_BATCH // 2, PROBE_BATCH, 2 * PROBE_BATCH):
+                seconds(batch)  # a warm-up at each size: buffers, gloo's pairs
+                world.barrier()
+                with timed_collectives() as calls:
+                    for _ in range(2 * repeats):  # a mean over heavy tails: twice the samples of a median
+                        seconds(batch)
+                for kind, nbytes, start, end in calls:
+                    if kind in kinds:
+                        samples[kind].setdefault(nbytes, []).append(end - start)
+    for group in pairs:
+        dist.destroy_process_group(group)
+    fits = {}
+    for kind, by_size in samples.items():
+        sizes = sorted(by_size)
+        means = world.slowest([statistics.mean(by_size[n]) for n in sizes])
+        fits[kind] = fit_alpha_beta(kind, PAIR, [float(n) for n in sizes], means)
+    return fits
 
 
 def _model_of(key: str) -> tuple[str, int, int]:
@@ -170,11 +225,16 @@ class Calibration:
         steps = {k: (f * factor, r / factor, o * factor) for k, (f, r, o) in speed.step_costs.items()}
         ranks = dict(self.ranks)
         ranks[speed.world_size] = RankSpeed(speed.world_size, speed.flops_per_second / factor, speed.bytes_per_second,
-                                            speed.links, steps, {k: t * factor for k, t in speed.step_times.items()})
+                                            speed.links, steps, {k: t * factor for k, t in speed.step_times.items()},
+                                            speed.inside)
         return Calibration(self.machine, ranks, self.gpus_per_node, self.across)
 
-    def link(self, kind: str, world_size: int, span: int) -> AlphaBeta:
+    def link(self, kind: str, world_size: int, span: int, inside_step: bool = False) -> AlphaBeta:
         """The α–β of ``kind`` in a job of ``world_size`` ranks for a group ``span`` consecutive ranks wide.
+
+        ``inside_step``: a tensor-parallel group's collectives, between a step's layers; a pair
+        (:data:`PAIR`) takes the fit to a real step's calls (:func:`inside_step_fit`) where the
+        calibration has one.
 
         A group one rank wide never communicates: a free link, even in a calibration of one process
         alone (which has no collective fit: the benchmark prices one device with it).
@@ -190,13 +250,15 @@ class Calibration:
         if not speed.links:
             raise ValueError(f"the calibration of {self.machine!r} has no collective fit for {world_size} rank(s); "
                              "calibrate with that world size")
+        if inside_step and span == PAIR and kind in speed.inside:
+            return speed.inside[kind]
         return speed.links[kind]
 
     def to_json(self) -> str:
         ranks = {str(n): dict(world_size=r.world_size, flops_per_second=r.flops_per_second,
                               bytes_per_second=r.bytes_per_second,
                               links={k: asdict(v) for k, v in r.links.items()}, step_costs=r.step_costs,
-                              step_times=r.step_times)
+                              step_times=r.step_times, inside={k: asdict(v) for k, v in r.inside.items()})
                  for n, r in self.ranks.items()}
         return json.dumps(dict(machine=self.machine, ranks=ranks), indent=1)
 
@@ -220,11 +282,13 @@ class Calibration:
             where = f"ranks[{n!r}]"
             if not (isinstance(n, str) and n.isdigit() and int(n) >= 1 and isinstance(r, dict)):
                 raise ValueError(f"{where}: expected a world size >= 1 and an object")
-            links = _field(r, "links", dict, where)
-            for kind, v in links.items():
-                check_choice(f"{where}.links kind", kind, KINDS)
-                if not isinstance(v, dict) or set(v) != {"alpha", "bandwidth"}:
-                    raise ValueError(f"{where}.links[{kind!r}]: expected {{'alpha': ..., 'bandwidth': ...}}, got {v!r}")
+            links, inside = _field(r, "links", dict, where), _field(r, "inside", dict, where, {})
+            for name, fits in (("links", links), ("inside", inside)):
+                for kind, v in fits.items():
+                    check_choice(f"{where}.{name} kind", kind, KINDS)
+                    if not isinstance(v, dict) or set(v) != {"alpha", "bandwidth"}:
+                        raise ValueError(f"{where}.{name}[{kind!r}]: expected {{'alpha': ..., 'bandwidth': ...}}, "
+                                         f"got {v!r}")
             step_costs = _field(r, "step_costs", dict, where, {})
             for key, v in step_costs.items():
                 if not isinstance(v, list) or len(v) != 3:
@@ -233,7 +297,8 @@ class Calibration:
                               _field(r, "bytes_per_second", float, where),
                               {k: AlphaBeta(v["alpha"], v["bandwidth"]) for k, v in links.items()},
                               {k: tuple(v) for k, v in step_costs.items()},
-                              dict(_field(r, "step_times", dict, where, {})))
+                              dict(_field(r, "step_times", dict, where, {})),
+                              {k: AlphaBeta(v["alpha"], v["bandwidth"]) for k, v in inside.items()})
             if speed.world_size != int(n):
                 raise ValueError(f"{where}: world_size={speed.world_size} is not its key {n}")
             _check_speed(speed, where)
@@ -261,9 +326,10 @@ def _check_speed(speed: RankSpeed, where: str) -> None:
 
     number("flops_per_second", speed.flops_per_second, True)
     number("bytes_per_second", speed.bytes_per_second, True)
-    for kind, ab in speed.links.items():
-        number(f"links[{kind!r}].alpha", ab.alpha, False)
-        number(f"links[{kind!r}].bandwidth", ab.bandwidth, True)
+    for name, fits in (("links", speed.links), ("inside", speed.inside)):
+        for kind, ab in fits.items():
+            number(f"{name}[{kind!r}].alpha", ab.alpha, False)
+            number(f"{name}[{kind!r}].bandwidth", ab.bandwidth, True)
     for key, (fixed, rate, optimizer) in speed.step_costs.items():
         number(f"step_costs[{key!r}] fixed", fixed, False)
         number(f"step_costs[{key!r}] FLOP/s", rate, True)

@@ -7,7 +7,8 @@ was truncated or edited is named, with the way out (delete it, or ``calibrate --
 the folder is checked for writing before anything is measured, so a result is never lost.
 The file's name carries :data:`VERSION`, the calibration procedure's: a cache measured the old way
 (version 1 timed collectives back to back; version 2 between pieces of compute,
-:mod:`parallel_lib.planner.interleaved`) is not read, and the machine is measured again.
+:mod:`parallel_lib.planner.interleaved`; version 3 had no tensor-parallel pairs timed inside a step) is not
+read, and the machine is measured again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from parallel_lib.planner.calibrate import Calibration, check_world_sizes, machi
 
 __all__ = ["VERSION", "cache_path", "load_calibration", "load_or_calibrate"]
 
-VERSION = 3  # bump whenever the calibration measures differently: older caches are then measured again
+VERSION = 4  # bump whenever the calibration measures differently: older caches are then measured again
 
 
 def cache_path(key: Optional[str] = None) -> Path:

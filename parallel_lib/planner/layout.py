@@ -338,8 +338,9 @@ def _in_flight(name: str, p: int, m: int, v: int) -> float:
     return max(peak_in_flight(_schedule(name, p, m, v)))
 
 
-def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, span: int) -> float:
-    return sum(n * cal.link(kind, world, span).seconds(kind, nbytes / max(n, 1), group)
+def _collective_seconds(calls: dict, cal: Calibration, world: int, group: int, span: int,
+                        inside_step: bool = False) -> float:
+    return sum(n * cal.link(kind, world, span, inside_step).seconds(kind, nbytes / max(n, 1), group)
                for kind, (n, nbytes) in calls.items())
 
 
@@ -504,7 +505,8 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         # recomputed blocks issue their forward's collectives again (2 all-reduces per block; SP: its gathers)
         calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width,
                                  recompute=L.recompute)
-        tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span)
+        # between the layers of a step: a tp pair's calls as the calibration timed them inside real steps
+        tp_seconds = _collective_seconds(calls, calibration, world, L.tp, tp_span, inside_step=True)
         tp_total = max(tp_total, tp_seconds)
         tp_sent = max(tp_sent, wire_bytes(calls, L.tp))
         cp_block = b * cp_seconds(shape, mb, full_seq, L.tp, L.cp, step_cost.flops_per_second, cp_link, width)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -77,10 +77,12 @@ def _group_of_one() -> Iterator[Any]:
 
 
 @contextmanager
-def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64
-               ) -> Iterator[tuple[Callable[..., float], torch.nn.Module]]:
+def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, group: Any = None,
+               sequence_parallel: bool = False) -> Iterator[tuple[Callable[..., float], torch.nn.Module]]:
     """``(seconds, stage)``: ``seconds(batch, recompute=False)`` times one forward + backward through the training
-    entry's own code, on this process alone; ``stage`` is the model it runs (its parameters, its config).
+    entry's own code, on this process alone (or split over the tensor-parallel ``group``, every member calling
+    it with the same batch, with ``sequence_parallel`` or without); ``stage`` is the model it runs (its
+    parameters, its config).
 
     What a layout's rank runs (:mod:`parallel_lib.training.run`): the GPT-2 converted for tensor
     parallelism at tp = 1 (its vocabulary-parallel loss included), one pipeline stage holding it all,
@@ -95,9 +97,9 @@ def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _group_of_one() as group:
+        with (nullcontext(group) if group is not None else _group_of_one()) as group:
             net = build_gpt2(model, vocab_size=vocab_size, seed=0, n_positions=max(seq_len, 16))
-            stage = TensorParallelStage(tensor_parallelize(net, group), 0, 1)
+            stage = TensorParallelStage(tensor_parallelize(net, group, sequence_parallel), 0, 1)
             runner = StageRunner(stage, torch.device("cpu"), first=True)
 
             def seconds(batch: int, recompute: bool = False) -> float:
