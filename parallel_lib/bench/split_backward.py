@@ -11,7 +11,7 @@ two GPT-2 blocks, 2 sequences of 64 tokens), repeats interleaved, medians:
   moves both), and of each cost's fastest repeat (the least disturbed); one torch thread;
 - 1F1B beside ZB-H1 simulated from those costs (1F1B: F and the whole backward; ZB-H1: the
   recording F, B and W; medians, and the fastest repeats) at p = 2 and 4, m = 8;
-- 1F1B beside ZB-H1 measured on threaded :class:`~parallel_lib.pipeline_parallel.Pipe`\ s at
+- 1F1B beside ZB-H1 measured on the threaded :class:`~parallel_lib.pipeline_parallel.Pipe` at
   p = 2 and 4, m = 8 (an MLP of 8 blocks, one stage per thread, one torch thread each; the two
   schedules' steps alternate). A stage thread needs a core of its own for the bubble to be idle
   time: where p stage threads share fewer cores, a stage's idle time is another stage's compute,
