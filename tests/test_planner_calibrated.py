@@ -154,9 +154,35 @@ def test_published_layouts_are_priced_with_the_same_formulas_and_links():
 def test_calibration_round_trips_and_caches_outside_the_repository(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALLEL_LIB_CACHE", str(tmp_path))
     assert cache_path("k").parent == tmp_path
-    CAL.ranks[1].step_costs["m"] = (1.0, 2.0, 3.0)
+    CAL.ranks[1].step_costs["m"] = (1.0, 2.0, 3.0, 0.5)
     again = Calibration.from_json(CAL.to_json())
-    assert again.ranks[4].links["send"] == LINK and again.step_cost("m", 4) == (2.0, 1.0, 6.0)  # 2x slower
+    assert again.ranks[4].links["send"] == LINK and again.step_cost("m", 4) == (2.0, 1.0, 6.0, 0.5)  # 2x slower
+
+
+def test_recomputation_reruns_the_blocks_forward_at_the_measured_forward_share():
+    """A pass's forward share is measured (a small model on a CPU: about half, not the FLOPs' third), and
+    recomputation adds the blocks' forward at that share: their fixed costs and their FLOPs, not the embedding's
+    or the head's."""
+    half = StepCost(1e-3, 1e10, 2e-3, 0.5)
+    plain, again = (price(Layout(recompute=r), SHAPE, 16, 64, CAL, half) for r in (False, True))
+    blocks = 6 * 1024 * 4 * 49_152 + 12 * 16 * 64 * 64 * 64 * 4  # the 4 blocks' FLOPs on 16 x 64 tokens
+    assert blocks == 1_409_286_144
+    assert again.compute - plain.compute == pytest.approx(0.5 * (4 * 1e-3 + blocks / 1e10))
+
+
+def test_the_forward_share_is_the_forward_over_the_whole_pass(monkeypatch):
+    """``fit_step_cost`` times the training entry's forward alone beside its forward + backward."""
+    from contextlib import contextmanager
+
+    import parallel_lib.planner.model_step as model_step
+
+    @contextmanager
+    def fake(model, vocab, seq):  # a pass of 10 ms per sequence whose forward takes 4
+        yield (lambda b, recompute=False, parts=False: (0.004 * b, 0.010 * b) if parts else 0.010 * b), MODEL_STAGE
+
+    MODEL_STAGE = type("Stage", (), {"parameters": lambda self: MODEL.parameters(), "model": MODEL})()
+    monkeypatch.setattr(model_step, "entry_step", fake)
+    assert model_step.fit_step_cost("tiny", 512, 64, batches=(2, 4), repeats=1).forward == pytest.approx(0.4)
 
 
 def test_tensor_parallel_pairs_are_priced_with_the_fit_inside_a_step_and_nothing_else_is():
@@ -243,6 +269,8 @@ def _with(path: list, value) -> bytes:
     (_with(["ranks", "4", "links", "send", "alpha"], float("nan")), r"alpha must be a finite number >= 0, got nan"),
     (_with(["ranks", "4", "links", "send", "alpha"], -1e-4), r"alpha must be a finite number >= 0, got -0.0001"),
     (_with(["ranks", "4", "links", "send", "bandwidth"], 0), r"bandwidth must be a finite number > 0, got 0"),
+    (_with(["ranks", "1", "step_costs"], {"m": [1e-3, 1e10, 0.0, 1.5]}), r"forward share must be < 1, got 1.5"),
+    (_with(["ranks", "1", "step_costs"], {"m": [1e-3, 1e10, 0.0]}), r"expected \[fixed, FLOP/s, optimizer, forward share\]"),
     (_with(["ranks", "4", "inside"], {"all_reduce": {"alpha": 1e-3}}), r"ranks\['4'\]\.inside\['all_reduce'\]: expected"),
     (_with(["ranks", "4", "inside"], {"all_reduce": {"alpha": -1.0, "bandwidth": 1e9}}),
      r"inside\['all_reduce'\]\.alpha must be a finite number >= 0"),
@@ -295,6 +323,8 @@ def test_calibrate_checks_its_world_sizes_and_its_folder_before_measuring(tmp_pa
     (lambda: StepCost(-262.0, 1e10), "fixed must be >= 0, got fixed=-262.0"),
     (lambda: StepCost(0.0, 0.0), "flops_per_second must be > 0"),
     (lambda: StepCost(0.0, 1e10, float("nan")), "optimizer must be finite"),
+    (lambda: StepCost(0.0, 1e10, 0.0, 1.0), r"forward must be < 1 \(the forward's share"),
+    (lambda: StepCost(0.0, 1e10, 0.0, 0.0), "forward must be > 0"),
     (lambda: plan_layouts(SHAPE, 4, 2**30, 16, 64, CAL, COST, gpus_per_node=0), "gpus_per_node must be an int >= 1"),
     (lambda: plan_layouts(SHAPE, 4, 2**30, 16, 64, CAL, COST, max_pp=0), "max_pp must be an int >= 1"),
     (lambda: plan_layouts(dataclasses.replace(SHAPE, n_layer=0), 4, 2**30, 16, 64, CAL, COST),

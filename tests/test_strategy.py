@@ -83,7 +83,7 @@ def test_gpipe_keeps_all_micro_batches_1f1b_only_p():
     gpipe, one_f_one_b = (plan("llama-2-7b", schedule=s, recompute=False, **kwargs).option("PP")
                           for s in ("gpipe", "1f1b"))
     assert gpipe.activation_bytes == pytest.approx(4 * one_f_one_b.activation_bytes)  # m = 16 vs p = 4
-    assert gpipe.bubble == one_f_one_b.bubble
+    assert gpipe.bubble == pytest.approx(one_f_one_b.bubble, rel=1e-12)  # the same bubble, summed in another order
 
 
 @pytest.mark.parametrize("model, seq_len, batch_size, gpu_gib, n_gpus", [

@@ -27,8 +27,8 @@ def describe(calibration: Calibration) -> str:
     """A table per world size: compute rates, model step costs and each collective's α and β."""
     rows = []
     for n, speed in sorted(calibration.ranks.items()):
-        steps = "; ".join(f"{key}: {fixed * 1e3:.2f} ms/block + {rate / 1e9:.1f} GFLOP/s"
-                          for key, (fixed, rate, _) in speed.step_costs.items())
+        steps = "; ".join(f"{key}: {fixed * 1e3:.2f} ms/block + {rate / 1e9:.1f} GFLOP/s, forward {share:.0%}"
+                          for key, (fixed, rate, _, share) in speed.step_costs.items())
         links = "; ".join(f"{kind} α {ab.alpha * 1e6:.0f} µs, β {ab.bandwidth / 1e9:.2f} GB/s"
                           for kind, ab in speed.links.items()) or "—"
         links += "".join(f"; {kind} in tp pairs inside a step α {ab.alpha * 1e6:.0f} µs, β {ab.bandwidth / 1e9:.2f} GB/s"

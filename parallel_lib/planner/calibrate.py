@@ -64,7 +64,8 @@ class RankSpeed:
     flops_per_second: float     # 512 x 512 fp32 matmul, one thread
     bytes_per_second: float     # copy of a 64 MiB buffer
     links: dict = field(default_factory=dict)  # kind -> AlphaBeta (over all world_size ranks)
-    step_costs: dict = field(default_factory=dict)  # model key -> (fixed, FLOP/s, optimizer), model_step.fit_step_cost
+    step_costs: dict = field(default_factory=dict)  # model key -> (fixed, FLOP/s, optimizer, forward share),
+    #                                                 model_step.fit_step_cost
     step_times: dict = field(default_factory=dict)  # model key -> seconds of one PROBE_BATCH step, every rank at once
     inside: dict = field(default_factory=dict)  # kind -> AlphaBeta in tensor-parallel pairs, timed inside real steps
 
@@ -126,8 +127,8 @@ def collective_worker(rank: int, world_size: int, sizes: Sequence[int] = SIZES, 
     for k, key in enumerate(models):
         assert alone is not None
         slow = float(numbers[2 + k]) / alone.ranks[1].step_times[key]
-        fixed, rate, optimizer = alone.ranks[1].step_costs[key]
-        steps[key], step_times[key] = (fixed * slow, rate / slow, optimizer * slow), float(numbers[2 + k])
+        fixed, rate, optimizer, forward = alone.ranks[1].step_costs[key]
+        steps[key], step_times[key] = (fixed * slow, rate / slow, optimizer * slow, forward), float(numbers[2 + k])
     # each collective between pieces of compute, as a step runs it (planner.interleaved)
     pieces, world = compute_pieces(rank, device=device), dist_world(device)
     links = {kind: fit_interleaved(kind, world_size, sizes, lambda nbytes, kind=kind: _collective(
@@ -206,9 +207,9 @@ class Calibration:
         above = [n for n in sizes if n >= world_size]
         return self.ranks[above[0] if above else sizes[-1]]
 
-    def step_cost(self, key: str, world_size: int) -> tuple[float, float, float]:
-        """``(fixed, FLOP/s, optimizer)`` of model ``key`` on a rank of ``world_size``: measured there, or
-        measured alone and slowed by the ratio of the matmul rates."""
+    def step_cost(self, key: str, world_size: int) -> tuple[float, float, float, float]:
+        """``(fixed, FLOP/s, optimizer, forward share)`` of model ``key`` on a rank of ``world_size``: measured
+        there, or measured alone and slowed by the ratio of the matmul rates."""
         speed = self.at(world_size)
         if key in speed.step_costs:
             return tuple(speed.step_costs[key])  # type: ignore[return-value]
@@ -216,13 +217,13 @@ class Calibration:
         if key not in alone.step_costs:
             raise ValueError(f"the calibration of {self.machine!r} has no step cost for {key!r}; calibrate with it")
         slow = alone.flops_per_second / speed.flops_per_second
-        fixed, rate, optimizer = alone.step_costs[key]
-        return fixed * slow, rate / slow, optimizer * slow
+        fixed, rate, optimizer, forward = alone.step_costs[key]
+        return fixed * slow, rate / slow, optimizer * slow, forward
 
     def slowed(self, world_size: int, factor: float) -> "Calibration":
         """A copy whose ranks at ``world_size`` compute ``factor`` times slower (a busier moment of the machine)."""
         speed = self.at(world_size)
-        steps = {k: (f * factor, r / factor, o * factor) for k, (f, r, o) in speed.step_costs.items()}
+        steps = {k: (f * factor, r / factor, o * factor, share) for k, (f, r, o, share) in speed.step_costs.items()}
         ranks = dict(self.ranks)
         ranks[speed.world_size] = RankSpeed(speed.world_size, speed.flops_per_second / factor, speed.bytes_per_second,
                                             speed.links, steps, {k: t * factor for k, t in speed.step_times.items()},
@@ -291,8 +292,9 @@ class Calibration:
                                          f"got {v!r}")
             step_costs = _field(r, "step_costs", dict, where, {})
             for key, v in step_costs.items():
-                if not isinstance(v, list) or len(v) != 3:
-                    raise ValueError(f"{where}.step_costs[{key!r}]: expected [fixed, FLOP/s, optimizer], got {v!r}")
+                if not isinstance(v, list) or len(v) != 4:
+                    raise ValueError(f"{where}.step_costs[{key!r}]: expected [fixed, FLOP/s, optimizer, forward share], "
+                                     f"got {v!r}")
             speed = RankSpeed(_field(r, "world_size", int, where), _field(r, "flops_per_second", float, where),
                               _field(r, "bytes_per_second", float, where),
                               {k: AlphaBeta(v["alpha"], v["bandwidth"]) for k, v in links.items()},
@@ -330,10 +332,13 @@ def _check_speed(speed: RankSpeed, where: str) -> None:
         for kind, ab in fits.items():
             number(f"{name}[{kind!r}].alpha", ab.alpha, False)
             number(f"{name}[{kind!r}].bandwidth", ab.bandwidth, True)
-    for key, (fixed, rate, optimizer) in speed.step_costs.items():
+    for key, (fixed, rate, optimizer, forward) in speed.step_costs.items():
         number(f"step_costs[{key!r}] fixed", fixed, False)
         number(f"step_costs[{key!r}] FLOP/s", rate, True)
         number(f"step_costs[{key!r}] optimizer", optimizer, False)
+        number(f"step_costs[{key!r}] forward share", forward, True)
+        if forward >= 1:
+            raise ValueError(f"{where}.step_costs[{key!r}] forward share must be < 1, got {forward!r}")
     for key, seconds in speed.step_times.items():
         number(f"step_times[{key!r}]", seconds, True)
 
@@ -380,7 +385,7 @@ def calibrate(world_sizes: Sequence[int] = (2, 4), repeats: int = 5, models: Seq
     steps, step_times = {}, {}
     for model in models:
         fit = fit_step_cost(*model, repeats=repeats)  # type: ignore[misc]
-        steps[step_key(*model)] = (fit.fixed, fit.flops_per_second, fit.optimizer)
+        steps[step_key(*model)] = (fit.fixed, fit.flops_per_second, fit.optimizer, fit.forward)
         step_times[step_key(*model)] = time_step(*model, repeats=repeats)  # type: ignore[misc]
     ranks = {1: RankSpeed(1, alone.flops_per_second, alone.bytes_per_second, {}, steps, step_times)}
     single = Calibration(machine_key(), dict(ranks))

@@ -163,22 +163,30 @@ class StepCost:
     """One rank's compute: ``fixed`` seconds per block (or embedding+head) and micro-batch pass, plus FLOPs / rate.
 
     ``optimizer`` is the seconds of one AdamW step over the whole model on one rank alone; a rank
-    holding a share of the optimizer states takes that share of it. Measured by
-    :func:`parallel_lib.planner.model_step.fit_step_cost`; for published GPUs, fixed 0 and the peak rate.
+    holding a share of the optimizer states takes that share of it. ``forward`` is the share of a
+    pass that the forward takes: 1/3 where compute is FLOPs (a backward does twice a forward's
+    products), measured where it is not (a small model on a CPU, where every operation's dispatch
+    costs as much forward as backward: 0.50 for tiny GPT-2 here). Measured by
+    :func:`parallel_lib.planner.model_step.fit_step_cost`; for published GPUs, fixed 0, the peak rate, 1/3.
 
     Raises:
         ValueError: a cost that is not a finite number, a negative ``fixed`` or ``optimizer`` (a negative
-            time would rank its layout best), or a rate that is not > 0.
+            time would rank its layout best), a rate that is not > 0, or a ``forward`` share outside (0, 1).
     """
 
     fixed: float
     flops_per_second: float
     optimizer: float = 0.0
+    forward: float = 1 / 3
 
     def __post_init__(self) -> None:
         check_number("fixed", self.fixed, 0.0, hint="seconds per block and micro-batch; 0 for published peaks")
         check_number("flops_per_second", self.flops_per_second, 0.0, strict=True)
         check_number("optimizer", self.optimizer, 0.0, hint="seconds of one optimizer step")
+        check_number("forward", self.forward, 0.0, strict=True, hint="the forward's share of a forward + backward")
+        if self.forward >= 1:
+            raise ValueError(f"forward must be < 1 (the forward's share of a forward + backward), got "
+                             f"forward={self.forward!r}")
 
 
 def _block_and_rest(shape: GPTShape, tp: int) -> tuple[int, int, int]:
@@ -322,10 +330,12 @@ def _flops(shape: GPTShape, blocks: int, rows: int, seq: int, head: bool) -> flo
 
 
 @lru_cache(maxsize=4096)
-def _simulated(name: str, p: int, m: int, v: int, ratios: tuple, comm: float) -> tuple[float, float]:
-    """(step time, bubble) of the schedule with forward 1/3 and backward 2/3 of each stage's cost (ratios)."""
+def _simulated(name: str, p: int, m: int, v: int, ratios: tuple, comm: float,
+               forward: float = 1 / 3) -> tuple[float, float]:
+    """(step time, bubble) of the schedule with ``forward`` of each stage's cost (ratios) the forward, the rest
+    the backward."""
     schedule = _schedule(name, p, m, v)
-    costs = (1 / 3, 2 / 3) if len(ratios) == 1 else [(r / 3, 2 * r / 3) for r in ratios]
+    costs = (forward, 1 - forward) if len(ratios) == 1 else [(r * forward, r * (1 - forward)) for r in ratios]
     # the generators' schedules are valid by construction (tests/test_schedules.py): replay without validating
     events = [Event(stage_lane(j), a.event_kind, a.micro_batch, start, end)
               for j, a, start, end in replay(schedule, costs, comm)]
@@ -486,7 +496,8 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         step_cost = StepCost(*calibration.step_cost(step_cost, world))
     else:  # the cost of one rank alone, slowed as the calibration's matmul rate slows with more ranks per core
         slow = calibration.ranks[min(calibration.ranks)].flops_per_second / calibration.at(world).flops_per_second
-        step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow)
+        step_cost = StepCost(step_cost.fixed * slow, step_cost.flops_per_second / slow, step_cost.optimizer * slow,
+                             step_cost.forward)
     # which link each group crosses: the runtime's mesh order, tp fastest (hardware.group_span)
     sizes = dict(tp=L.tp, cp=L.cp, pp=L.pp, dp=L.dp)
     tp_span, pp_span = group_span("tp", sizes), group_span("pp", sizes)
@@ -496,12 +507,14 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
         head = s == L.pp - 1
         # the attention term of s/cp queries on all s keys: 1/cp of the whole sequence's
         flops = _flops(shape, b, mb, full_seq, head) / L.tp / L.cp
-        again = _flops(shape, b, mb, full_seq, False) / L.tp / L.cp / 3 if L.recompute else 0.0
         units = b + (1 if s == 0 else 0) * 0.5 + (0.5 if head else 0)
         base = step_cost.fixed * units + flops / step_cost.flops_per_second
-        # forward 1/3, backward 2/3 (with the recomputed forward: 4 passes instead of 3)
-        passes.append((base / 3, 2 * base / 3 + again / step_cost.flops_per_second))
-        seconds = base + again / step_cost.flops_per_second
+        share = step_cost.forward  # the forward's part of a pass (1/3 in FLOPs; measured on this machine)
+        # recomputation runs the blocks' forward once more in the backward (not the embedding's, not the head's)
+        again = share * (step_cost.fixed * b + _flops(shape, b, mb, full_seq, False) / L.tp / L.cp
+                         / step_cost.flops_per_second) if L.recompute else 0.0
+        passes.append((base * share, base * (1 - share) + again))
+        seconds = base + again
         # recomputed blocks issue their forward's collectives again (2 all-reduces per block; SP: its gathers)
         calls = step_collectives(replace(shape, n_layer=b), mb, seq_len, L.tp, L.sequence_parallel, width,
                                  recompute=L.recompute)
@@ -520,7 +533,8 @@ def price(layout: Layout, shape: GPTShape, global_batch: int, seq_len: int, cali
     else:
         unit = max(costs)  # the simulation in units of the busiest stage, cached: many layouts share one
         ratios = (1.0,) if L.virtual > 1 else tuple(round(c / unit, 2) for c in costs)
-        step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2))
+        step, bubble = _simulated(L.schedule, L.pp, L.micro_batches, L.virtual, ratios, round(hop / unit, 2),
+                                  step_cost.forward)
         compute = step * unit
     tp_comm = tp_total * L.micro_batches
     cp_comm = cp_total * L.micro_batches

@@ -11,8 +11,9 @@ pipeline runtime's runner), and fits
     t(b) = fixed · (L + 1) + training_flops(b) / rate
 
 for ``fixed`` (seconds per block and pass; the embedding and the head count as one more block)
-and ``rate`` (FLOP/s reached by this model's products) by least squares, and it times one AdamW
-step. A layout's rank then costs ``fixed`` per block it holds and pass, and its share of the FLOPs at ``rate``.
+and ``rate`` (FLOP/s reached by this model's products) by least squares; it times the forward alone
+(its share of the pass: 1/3 of the FLOPs, but about half the time of the tiny model here, where
+every operation's dispatch costs as much forward as backward) and one AdamW step. A layout's rank then costs ``fixed`` per block it holds and pass, and its share of the FLOPs at ``rate``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def step_key(model: str, vocab_size: int, seq_len: int) -> str:
 
 
 def solve_step_cost(shape: GPTShape, seq_len: int, batches: Sequence[int], seconds: Sequence[float],
-                    optimizer: float = 0.0) -> StepCost:
+                    optimizer: float = 0.0, forward: float = 1 / 3) -> StepCost:
     """Least-squares ``fixed`` and ``rate`` of ``t = fixed (L + 1) + flops / rate`` (relative errors weighted alike).
 
     Raises:
@@ -55,8 +56,8 @@ def solve_step_cost(shape: GPTShape, seq_len: int, batches: Sequence[int], secon
     if slope <= 0:
         raise ValueError(f"times {seconds} do not grow with the batch {batches}: the machine was too busy; rerun")
     if fixed < 0:  # no fixed part: the rate of the largest batch
-        return StepCost(0.0, float(flops[-1] / y[-1]), optimizer)
-    return StepCost(fixed, 1.0 / slope, optimizer)
+        return StepCost(0.0, float(flops[-1] / y[-1]), optimizer, forward)
+    return StepCost(fixed, 1.0 / slope, optimizer, forward)
 
 
 @contextmanager
@@ -80,7 +81,8 @@ def _group_of_one() -> Iterator[Any]:
 def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, group: Any = None,
                sequence_parallel: bool = False) -> Iterator[tuple[Callable[..., float], torch.nn.Module]]:
     """``(seconds, stage)``: ``seconds(batch, recompute=False)`` times one forward + backward through the training
-    entry's own code, on this process alone (or split over the tensor-parallel ``group``, every member calling
+    entry's own code (``seconds(batch, parts=True)``: ``(forward, forward + backward)`` of one pass), on this
+    process alone (or split over the tensor-parallel ``group``, every member calling
     it with the same batch, with ``sequence_parallel`` or without); ``stage`` is the model it runs (its
     parameters, its config).
 
@@ -102,14 +104,16 @@ def entry_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, gr
             stage = TensorParallelStage(tensor_parallelize(net, group, sequence_parallel), 0, 1)
             runner = StageRunner(stage, torch.device("cpu"), first=True)
 
-            def seconds(batch: int, recompute: bool = False) -> float:
+            def seconds(batch: int, recompute: bool = False, parts: bool = False) -> Any:
                 ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(batch))
                 weights = torch.ones(batch, seq_len)
                 start = time.perf_counter()
                 saved, _ = runner.forward(ids, loss=stage_loss(stage, ids, weights, float(batch * seq_len)),
                                           recompute=recompute)
-                runner.backward(saved, None)
-                return time.perf_counter() - start
+                forward = time.perf_counter() - start
+                runner.backward(saved, None)  # the forward timed inside a whole pass: alone it ran 1.3x slower here
+                whole = time.perf_counter() - start
+                return (forward, whole) if parts else whole
 
             yield seconds, stage
     finally:
@@ -131,9 +135,13 @@ def time_step(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, bat
 def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64, batches: Sequence[int] = (2, 4, 8, 16),
                   repeats: int = 5) -> StepCost:
     """Time this process's forward + backward (:func:`entry_step`, median of ``repeats``) at each batch size,
-    one thread, and one AdamW step of the model's parameters."""
+    the forward alone (its share of the pass, the median over the batch sizes), one thread, and one AdamW
+    step of the model's parameters."""
     with entry_step(model, vocab_size, seq_len) as (step, stage):
         seconds = [statistics.median([step(b) for _ in range(repeats + 1)][1:]) for b in batches]  # 1st: warm-up
+        forward = statistics.median([f / whole for f, whole in (step(b, parts=True) for b in batches
+                                                                   for _ in range(repeats))])
+        forward = min(max(forward, 0.05), 0.95)  # a busy moment cannot make a pass all forward or all backward
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -147,7 +155,7 @@ def fit_step_cost(model: str = "tiny", vocab_size: int = 512, seq_len: int = 64,
             torch.set_num_threads(threads)
         shape = GPTShape.of(stage.model.config)
     try:
-        return solve_step_cost(shape, seq_len, batches, seconds, statistics.median(steps[1:]))
+        return solve_step_cost(shape, seq_len, batches, seconds, statistics.median(steps[1:]), forward)
     except ValueError:  # a busy moment made the small batch slower: no fixed part, the large batch's rate
         rate = training_flops(shape, batches[-1], seq_len) / seconds[-1]
-        return StepCost(0.0, rate, statistics.median(steps[1:]))
+        return StepCost(0.0, rate, statistics.median(steps[1:]), forward)
