@@ -1,5 +1,7 @@
 """Smoke run of ``python -m parallel_lib.bench schedules --quick``; the torch comparison and converter."""
 
+import os
+
 import pytest
 
 from parallel_lib.bench import schedules as bench
@@ -63,5 +65,7 @@ def test_quick_split_backward_benchmark_prints_costs_and_both_schedules(capsys):
     out = capsys.readouterr().out
     assert out.startswith("Split backward on ")
     assert "| MLP, 4 x (Linear + Tanh) | 32 | " in out and "| GPT-2, 2 blocks | 32 | " in out
-    for p, how in ((2, "simulated"), (4, "simulated"), (2, "measured (Pipe threads"), (4, "measured (Pipe threads")):
-        assert f"| 32 | {p} | {how}" in out
+    for p in (2, 4):
+        for how in ("simulated |", "simulated, a core per stage |", "measured (gloo processes, ", "measured (Pipe threads, "):
+            assert f"| 32 | {p} | {how}" in out
+    assert ("| 32 | 4 | simulated, 2 cores shared |" in out) == ((os.cpu_count() or 1) < 4)

@@ -153,6 +153,45 @@ def test_simulator_costs_w_and_communication():
     assert {e.duration for e in unsplit if e.kind == "backward"} == {5.0}
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", *NEW])
+def test_shared_cores_replay_equals_the_list_scheduler_when_every_rank_has_a_core(name):
+    for p, m in [(2, 4), (3, 6), (4, 8)]:
+        schedule = make_schedule(name, p, m)
+        costs = (1.0, 1.5, 0.7) if schedule.split_backward else (1.0, 2.2)
+        own = sorted((e.lane, e.label, e.micro_batch, e.start, e.end) for e in simulate(schedule, costs, 0.3))
+        for cores in (p, p + 3):
+            shared = simulate(schedule, costs, 0.3, cores=cores)
+            assert sorted((e.lane, e.label, e.micro_batch, round(e.start, 9), round(e.end, 9)) for e in shared) == \
+                [(lane, label, i, round(start, 9), round(end, 9)) for lane, label, i, start, end in own]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", *NEW])
+def test_one_shared_core_is_never_idle_while_work_is_ready(name):
+    schedule = make_schedule(name, 4, 8)
+    costs = (1.0, 1.5, 0.7) if schedule.split_backward else (1.0, 2.2)
+    work = 8 * 4 * (1.0 + 1.5 + 0.7 if schedule.split_backward else 1.0 + 2.2)
+    assert simulate_schedule(schedule, costs, cores=1).step_time == pytest.approx(work)
+
+
+def test_ranks_sharing_cores_by_hand():
+    # GPipe, p = 2, m = 2, F = 1, B = 2, one core: F1 on rank 0 and F0 on rank 1 share it (1 -> 3),
+    # so do B0 on rank 1 and B1 on rank 0 (6 -> 10)
+    events = simulate(make_schedule("gpipe", 2, 2), (1.0, 2.0), cores=1)
+    assert sorted((e.lane, e.kind, e.micro_batch, e.start, e.end) for e in events) == [
+        ("stage 0", "backward", 0, 10.0, 12.0), ("stage 0", "backward", 1, 6.0, 10.0),
+        ("stage 0", "forward", 0, 0.0, 1.0), ("stage 0", "forward", 1, 1.0, 3.0),
+        ("stage 1", "backward", 0, 6.0, 10.0), ("stage 1", "backward", 1, 4.0, 6.0),
+        ("stage 1", "forward", 0, 1.0, 3.0), ("stage 1", "forward", 1, 3.0, 4.0)]
+    # p = 4, m = 2 on two cores. 1F1B (F = 1, B = 2) never has more than two ranks busy: (m+p-1)(F+B).
+    # ZB-H1 (F = B = W = 1): three busy ranks from 7 (W0 on 3, B1 on 2, B0 on 0: end 8.5), four
+    # from 8.5 (end 10.5), three from 10.5 (end 12), two from 12 (end 13), against 11 with a core each.
+    assert simulate_schedule(make_schedule("1f1b", 4, 2), (1.0, 2.0), cores=2).step_time == 15.0
+    assert simulate_schedule(make_schedule("zb-h1", 4, 2), (1.0, 1.0, 1.0), cores=2).step_time == pytest.approx(13.0)
+    assert simulate_schedule(make_schedule("zb-h1", 4, 2), (1.0, 1.0, 1.0)).step_time == 11.0
+    with pytest.raises(ValueError, match="cores"):
+        simulate(make_schedule("1f1b", 2, 2), cores=0)
+
+
 def test_actions_name_their_stage_and_reject_unknown_kinds():
     assert str(Action("W", 3, 5)) == "W3s5"
     with pytest.raises(ValueError, match="kind must be 'F', 'B' or 'W'"):

@@ -112,6 +112,21 @@ def test_rounds_complete_under_nccl_rules_where_pairing_deadlocks(name, p, m):
     assert find_deadlock(schedule, plans=round_plans(schedule)) is None
 
 
+def test_a_zero_bubble_w_runs_outside_the_exchanges_around_it():
+    # ZB-H1's last rank of two: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3. Gradient 1 goes out with the
+    # receive of activation 2 before W0 (not alone, with activation 2's receive after W0, which made
+    # the first rank wait through W0 for its send of activation 2 to be taken)
+    schedule = make_schedule("zb-h1", 2, 4)
+    from parallel_lib.pipeline_parallel.link import exchange_plan
+    assert [(e.before, str(e)) for e in exchange_plan(schedule, 1)] == [
+        (0, "[receive activation 0]"), (2, "[send gradient 0 | receive activation 1]"),
+        (4, "[send gradient 1 | receive activation 2]"), (7, "[send gradient 2 | receive activation 3]"),
+        (10, "[send gradient 3]")]
+    for p, m in ((2, 8), (4, 8), (4, 16)):  # so W adds no exchange: every rank exchanges as often as in 1F1B
+        plans = plan_exchanges(make_schedule("zb-h1", p, m))
+        assert [len(plan) for plan in plans] == [len(plan) for plan in plan_exchanges(make_schedule("1f1b", p, m))]
+
+
 def test_a_schedule_no_plan_runs_is_refused_naming_why():
     from parallel_lib.pipeline_parallel import parse_schedule
     cycle = parse_schedule("waits for itself", "F0 B0 F1 B1", "F0 F1 B1 B0")

@@ -11,12 +11,15 @@ two GPT-2 blocks, 2 sequences of 64 tokens), repeats interleaved, medians:
   moves both), and of each cost's fastest repeat (the least disturbed); one torch thread;
 - 1F1B beside ZB-H1 simulated from those costs (1F1B: F and the whole backward; ZB-H1: the
   recording F, B and W; medians, and the fastest repeats) at p = 2 and 4, m = 8;
-- 1F1B beside ZB-H1 measured on the threaded :class:`~parallel_lib.pipeline_parallel.Pipe` at
-  p = 2 and 4, m = 8 (an MLP of 8 blocks, one stage per thread, one torch thread each; the two
-  schedules' steps alternate). A stage thread needs a core of its own for the bubble to be idle
-  time: where p stage threads share fewer cores, a stage's idle time is another stage's compute,
-  the step is bounded by the total work over the cores, and a schedule with a smaller bubble
-  cannot be faster (the table names the cores per stage).
+- 1F1B beside ZB-H1 at p = 2 and 4, m = 8, on an MLP of 8 blocks cut into p stages, one torch
+  thread per stage, the two schedules' steps alternating: measured on gloo processes
+  (:mod:`~parallel_lib.pipeline_parallel.process`, the slowest rank's step), measured on the
+  threaded :class:`~parallel_lib.pipeline_parallel.Pipe` (one process: each action's Python
+  shares the interpreter), and simulated from that stage's own measured costs twice: with a core
+  per stage, and with the stages sharing this machine's cores (``simulate_schedule(cores=)``:
+  busy ranks split the cores evenly, as the operating system time-slices processes). Where
+  p stages share fewer cores a stage's idle time is another stage's compute: the step is near
+  the total work over the cores, and ZB-H1 saves only what its order leaves idle even then.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from parallel_lib.models.attention import allowed_keys
 from parallel_lib.models.dropout import DropoutStream
 from parallel_lib.models.gpt2 import Block
 from parallel_lib.pipeline_parallel import Pipe, make_schedule
+from parallel_lib.pipeline_parallel.process import ProcessConfig, run_pipeline_ranks
 from parallel_lib.pipeline_parallel.simulator import simulate_schedule
 from parallel_lib.pipeline_parallel.stage import StageRunner
 from parallel_lib.runtime.environment import machine_label
+from parallel_lib.runtime.launcher import launch
 
 __all__ = ["Config", "QUICK", "stage_costs", "run", "main"]
 
@@ -133,11 +138,32 @@ def stage_costs(module: nn.Module, x: torch.Tensor, count: int) -> dict[str, lis
     return times
 
 
-def _simulated(costs: dict[str, float], p: int, m: int) -> tuple[float, float]:
-    """(1F1B's, ZB-H1's) simulated step seconds, p equal stages of these costs."""
-    one_f_one_b = simulate_schedule(make_schedule("1f1b", p, m), [(costs["F"], costs["whole"])] * p)
-    zb = simulate_schedule(make_schedule("zb-h1", p, m), [(costs["F split"], costs["B"], costs["W"])] * p)
+def _simulated(costs: dict[str, float], p: int, m: int, cores: int | None = None) -> tuple[float, float]:
+    """(1F1B's, ZB-H1's) simulated step seconds, p equal stages of these costs (on ``cores`` shared cores)."""
+    one_f_one_b = simulate_schedule(make_schedule("1f1b", p, m), [(costs["F"], costs["whole"])] * p, cores=cores)
+    zb = simulate_schedule(make_schedule("zb-h1", p, m), [(costs["F split"], costs["B"], costs["W"])] * p, cores=cores)
     return one_f_one_b.step_time, zb.step_time
+
+
+def _process_steps(p: int, widths: tuple[int, ...], rows: int, m: int, count: int) -> dict[int, dict[str, list[float]]]:
+    """Per width, seconds of each timed training step of the 8-block MLP on p gloo processes (the
+    slowest rank's), 1F1B's and ZB-H1's steps alternating (one each warms up); one launch."""
+    runs = [ProcessConfig(schedule=name, micro_batches=m, width=width, blocks=8, rows=rows * m, timeout=120.0)
+            for width in widths for k in range(count + 1) for name in (("1f1b", "zb-h1") if k % 2 else ("zb-h1", "1f1b"))]
+    results = launch(run_pipeline_ranks, p, runs, backend="gloo", timeout=600.0, threads_per_rank=1)
+    times: dict[int, dict[str, list[float]]] = {width: {"1f1b": [], "zb-h1": []} for width in widths}
+    for k, run_config in enumerate(runs):
+        if k % (2 * (count + 1)) >= 2:  # each width's first round warms up
+            times[run_config.width][run_config.schedule].append(max(results[r][k]["seconds"] for r in range(p)))
+    return times
+
+
+def _step_row(width: int, p: int, how: str, one_f_one_b: list[float], zb: list[float]) -> list[object]:
+    """A table row from the steps of each schedule, paired in order."""
+    ours, theirs = statistics.median(one_f_one_b), statistics.median(zb)
+    paired = statistics.median(z / o for o, z in zip(one_f_one_b, zb))
+    return ["MLP, 8 x (Linear + Tanh)", width, p, how, f"{ours * 1e3:.1f}", f"{theirs * 1e3:.1f}",
+            f"{theirs / ours:.2f}", f"{paired:.2f}", f"{min(zb) / min(one_f_one_b):.2f}"]
 
 
 def _pipe_steps(p: int, width: int, rows: int, m: int, count: int) -> dict[str, list[float]]:
@@ -159,6 +185,10 @@ def _pipe_steps(p: int, width: int, rows: int, m: int, count: int) -> dict[str, 
 def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
     """(the cost rows, the 1F1B-beside-ZB-H1 rows)."""
     costs_rows, step_rows = [], []
+    rows = config.rows // 2 if config.rows > 16 else config.rows  # per micro-batch of the pipelines
+    cores = os.cpu_count() or 1
+    processes = {p: _process_steps(p, config.widths, rows, config.micro_batches, config.pipe_repeats)
+                 for p in config.pipe_stages}  # one launch per p for every width: start-up is the slow part
     for width in config.widths:
         models = {"MLP, 4 x (Linear + Tanh)": (_mlp(width, 4), torch.randn(config.rows, width)),
                   "GPT-2, 2 blocks": (_Blocks(width), torch.randn(2, config.rows // 2, width))}
@@ -178,16 +208,18 @@ def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
                                            (_simulated(t, p, config.micro_batches) for t in each))
                 step_rows.append([label, width, p, "simulated", f"{ours * 1e3:.1f}", f"{zb * 1e3:.1f}",
                                   f"{zb / ours:.2f}", f"{paired:.2f}", f"{zb_least / ours_least:.2f}"])
-        rows = config.rows // 2 if config.rows > 16 else config.rows
-        cores = os.cpu_count() or 1
         for p in config.pipe_stages:
+            share = f"{min(cores, p) / p:.2g} core per stage"
+            times = stage_costs(_mlp(width, 8 // p), torch.randn(rows, width), config.repeats)
+            each = [{key: values[k] for key, values in times.items()} for k in range(config.repeats)]
+            for how, shared in (("simulated, a core per stage", None),) + (
+                    ((f"simulated, {cores} cores shared", cores),) if cores < p else ()):
+                sims = [_simulated(t, p, config.micro_batches, shared) for t in each]
+                step_rows.append(_step_row(width, p, how, [o for o, _ in sims], [z for _, z in sims]))
+            steps = processes[p][width]
+            step_rows.append(_step_row(width, p, f"measured (gloo processes, {share})", steps["1f1b"], steps["zb-h1"]))
             steps = _pipe_steps(p, width, rows, config.micro_batches, config.pipe_repeats)
-            ours, zb = statistics.median(steps["1f1b"]), statistics.median(steps["zb-h1"])
-            paired = statistics.median(zb_k / ours_k for ours_k, zb_k in zip(steps["1f1b"], steps["zb-h1"]))
-            step_rows.append(["MLP, 8 x (Linear + Tanh)", width, p,
-                              f"measured (Pipe threads, {min(cores, p) / p:.2g} core per stage)", f"{ours * 1e3:.1f}",
-                              f"{zb * 1e3:.1f}", f"{zb / ours:.2f}", f"{paired:.2f}",
-                              f"{min(steps['zb-h1']) / min(steps['1f1b']):.2f}"])
+            step_rows.append(_step_row(width, p, f"measured (Pipe threads, {share})", steps["1f1b"], steps["zb-h1"]))
     return costs_rows, step_rows
 
 
@@ -199,10 +231,10 @@ def markdown(costs_rows: list[list[object]], step_rows: list[list[object]], conf
              "median of each repeat's", "of the fastest repeats"]
     return "\n".join([f"Split backward on {machine_label()} ({torch.get_num_threads()} torch threads, {cores} cores; "
                       f"medians of {config.repeats} interleaved repeats)", "", markdown_table(head, costs_rows), "",
-                      f"1F1B beside ZB-H1, m = {config.micro_batches} (the Pipes: {config.pipe_repeats} steps each, "
-                      f"alternating, {config.rows // 2 if config.rows > 16 else config.rows} rows per micro-batch, "
-                      f"{cores} cores; where a stage has less than one core the step is bounded by the total work, "
-                      "and the bubble ZB-H1 saves cannot show):",
+                      f"1F1B beside ZB-H1, m = {config.micro_batches} (the pipelines: {config.pipe_repeats} steps "
+                      f"each, alternating, {config.rows // 2 if config.rows > 16 else config.rows} rows per "
+                      f"micro-batch, {cores} cores; simulated from each repeat of the pipeline stage's own costs; "
+                      "where a stage has less than one core the step nears the total work over the cores):",
                       "", markdown_table(steps, step_rows)])
 
 

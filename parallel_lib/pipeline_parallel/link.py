@@ -124,6 +124,13 @@ def _runs(schedule: Schedule) -> frozenset[tuple[str, int, int]]:
 def exchange_plan(schedule: Schedule, j: int, paired: bool = True, sender_order: bool = False) -> list[Exchange]:
     """Rank j's exchanges, in order: the sends of action k-1 with the receives of action k.
 
+    Where W actions come just before action k (they neither send nor receive), action k's
+    receives are posted with the sends before the first of them: a zero-bubble schedule's W
+    then runs while the neighbour computes, instead of between a send that waits for the
+    neighbour's receive and a receive the neighbour's send waits for (ZB-H1 on the last of two
+    ranks: F1 B1 [send g1, receive a2] W0 F2, not F1 B1 [send g1] W0 [receive a2] F2, where the
+    first rank waits through W0 to hand over a2).
+
     Args:
         schedule: the pipeline's schedule.
         j: the rank.
@@ -150,7 +157,11 @@ def exchange_plan(schedule: Schedule, j: int, paired: bool = True, sender_order:
                     recvs.append(queue.pop(0))
             early.update(recvs)
         if paired:
-            plan.append(Exchange(k, sends, recvs))
+            first_w = k
+            while first_w > 0 and actions[first_w - 1].kind == "W":
+                first_w -= 1
+            plan.append(Exchange(k, sends, []))
+            plan[first_w].recvs.extend(recvs)  # plan[i] is the exchange before action i
         else:
             plan += [Exchange(k, [m], []) for m in sends] + [Exchange(k, [], [m]) for m in recvs]
     return [e for e in plan if e.sends or e.recvs]

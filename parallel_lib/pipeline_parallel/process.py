@@ -9,7 +9,8 @@ CPU, NCCL with a GPU per rank), with no tags and receive buffers of the sender's
 rank's device. A neighbour stage on the same rank (the turn of a V) is a hand-over in memory.
 
 Which plan: the paired exchanges of chapter 05 (the sends of action k-1 with the receives of
-action k, in the sender's order) where :func:`~parallel_lib.pipeline_parallel.link.find_deadlock`
+action k, in the sender's order; the receives before any W actions that come just before action k,
+so a W runs while the neighbour computes) where :func:`~parallel_lib.pipeline_parallel.link.find_deadlock`
 accepts them (GPipe, 1F1B, ZB-H1, ZB-H2); exchanges in rounds where it does not (interleaved and
 the V schedules, which :func:`~parallel_lib.pipeline_parallel.hangs.check_blocking` refuses
 paired). Every message waits for its partner in both (gloo's sends block like NCCL's large ones).

@@ -103,20 +103,28 @@ def per_stage_costs(schedule: Schedule, costs: Costs) -> list[tuple[float, float
     return [(c[0], c[1] / 2, c[1] / 2) if len(c) == 2 else (c[0], c[1], c[2]) for c in items]  # type: ignore
 
 
-def replay(schedule: Schedule, costs: Costs = (1.0, 1.0), comm: float = 0.0
+def replay(schedule: Schedule, costs: Costs = (1.0, 1.0), comm: float = 0.0, cores: Optional[int] = None
            ) -> list[tuple[int, Action, float, float]]:
     """List-schedule the actions: each starts when its rank is free and its inputs have arrived.
 
     A tensor between model stages on different ranks arrives ``comm`` after it was made.
+    ``cores``: how many ranks can compute at once (None: every rank has a device of its own).
+    With fewer cores than busy ranks the busy ranks share them equally, as an operating system
+    time-slices processes, each action running at ``cores / busy ranks`` of its speed (see
+    :func:`_replay_shared`); a rank waiting for a message uses no core.
 
     Returns:
         ``(rank, action, start, end)`` in completion order.
 
     Raises:
-        ValueError: a deadlock: every rank waits for an action that can never run before it.
+        ValueError: a deadlock: every rank waits for an action that can never run before it, or
+            ``cores`` below 1.
     """
     per_stage = per_stage_costs(schedule, costs)
     check_number("comm", comm, 0.0)
+    if cores is not None:
+        positive_int("cores", cores)
+        return _replay_shared(schedule, per_stage, comm, cores)
     split, p, place = schedule.split_backward, schedule.num_stages, schedule.placement
     position, rank_free = [0] * p, [0.0] * p
     finished: dict[tuple[str, int, int], float] = {}
@@ -156,13 +164,70 @@ def replay(schedule: Schedule, costs: Costs = (1.0, 1.0), comm: float = 0.0
     return order
 
 
+def _replay_shared(schedule: Schedule, per_stage: list[tuple[float, float, float]], comm: float, cores: int
+                   ) -> list[tuple[int, Action, float, float]]:
+    """:func:`replay` with ``cores`` shared by the busy ranks (processor sharing), event by event.
+
+    Between two events (an action ends, a message arrives) the set of busy ranks is fixed and
+    each runs at ``min(1, cores / busy)``; an action starts the moment its rank is free and its
+    inputs have arrived, as in :func:`replay`, and ends when its work is done.
+    """
+    split, p, place = schedule.split_backward, schedule.num_stages, schedule.placement
+    position = [0] * p
+    finished: dict[tuple[str, int, int], float] = {}
+    running: dict[int, list] = {}  # rank -> [action, work left, start]
+    order: list[tuple[int, Action, float, float]] = []
+    total = sum(len(actions) for actions in schedule.stages)
+    tolerance = 1e-12 * max(1.0, sum(sum(c) for c in per_stage) * schedule.num_micro_batches)
+    now = 0.0
+    while len(order) < total:
+        arrivals = []  # when a waiting rank's message comes
+        for j in range(p):
+            if j in running or position[j] == len(schedule.stages[j]):
+                continue
+            action = schedule.stages[j][position[j]]
+            if not action_ready(schedule, j, action, finished):
+                continue
+            kind, s, i = _key(schedule, j, action)
+            made = finished[("F", s - 1, i)] if kind == "F" and s > 0 else \
+                finished[("B", s + 1, i)] if kind == "B" and s + 1 < len(place) else None
+            arrive = now if made is None else made + (comm if place[s + (1 if kind == "B" else -1)] != j else 0.0)
+            if arrive > now + tolerance:
+                arrivals.append(arrive)
+                continue
+            f, b, w = per_stage[s]
+            running[j] = [action, {"F": f, "B": b if split else b + w, "W": w}[kind], now]
+        if not running:
+            if not arrivals:
+                blocked = {f"stage {j}": str(schedule.stages[j][position[j]])
+                           for j in range(p) if position[j] < len(schedule.stages[j])}
+                raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits for an action "
+                                 f"that cannot run first; next actions: {blocked}")
+            now = min(arrivals)
+            continue
+        rate = min(1.0, cores / len(running))
+        step = min([left for _, left, _ in running.values()]) / rate
+        if arrivals:
+            step = min(step, min(arrivals) - now)
+        now += step
+        for j in sorted(running):
+            running[j][1] -= step * rate
+            if running[j][1] <= tolerance:
+                action, _, start = running.pop(j)
+                finished[_key(schedule, j, action)] = now
+                position[j] += 1
+                order.append((j, action, start, now))
+    return order
+
+
 def _label(schedule: Schedule, action: Action) -> str:
     """Event label: the model stage when a rank holds several, and W for weight gradients."""
     stage = f"s{action.stage}" if action.stage is not None and schedule.virtual > 1 else ""
     return ("W" if action.kind == "W" else "") + (" " if action.kind == "W" and stage else "") + stage
 
 
-def simulate(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm: float = 0.0) -> list[Event]:
+def simulate(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm: float = 0.0,
+             cores: Optional[int] = None) -> list[Event]:
     """Replay a schedule with fixed costs and return its timeline.
 
     Args:
@@ -170,6 +235,8 @@ def simulate(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm: float = 
         stage_costs: ``(forward, backward)`` or ``(F, B, W)`` for a rank's share of the model, or
             one per model stage (see :func:`per_stage_costs`).
         comm: time a tensor takes between two ranks.
+        cores: how many ranks compute at once (None: a device per rank; fewer cores than ranks
+            share them, see :func:`replay`).
 
     Returns:
         One :class:`Event` per action on lanes ``"stage j"`` (rank j), in completion order;
@@ -183,7 +250,7 @@ def simulate(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm: float = 
     checked = per_stage_costs(schedule, stage_costs)  # shape errors before validation
     validate_schedule(schedule, require_backward=any(a.kind == "B" for a in schedule.stages[0]))
     return [Event(stage_lane(j), action.event_kind, action.micro_batch, start, end, _label(schedule, action))
-            for j, action, start, end in replay(schedule, checked, comm)]
+            for j, action, start, end in replay(schedule, checked, comm, cores)]
 
 
 @dataclass(frozen=True)
@@ -224,13 +291,14 @@ def peak_in_flight(schedule: Schedule) -> list[float]:
 
 
 def simulate_schedule(schedule: Schedule, stage_costs: Costs = (1.0, 1.0), comm: float = 0.0,
-                      activation_bytes: Optional[float] = None) -> SimResult:
+                      activation_bytes: Optional[float] = None, cores: Optional[int] = None) -> SimResult:
     """Replay ``schedule`` and report step time, bubble and peak activation memory per rank.
 
     Args:
         activation_bytes: bytes one micro-batch's activations take on one rank's share of the model.
+        cores: how many ranks compute at once (None: a device per rank; see :func:`replay`).
     """
-    events = simulate(schedule, stage_costs, comm)
+    events = simulate(schedule, stage_costs, comm, cores)
     step, busy, bubble, sync_bubble = bubbles(events, schedule.num_stages)
     peaks = peak_in_flight(schedule)
     per_mb = 0.0 if activation_bytes is None else float(activation_bytes)
