@@ -60,6 +60,11 @@ class Config:
     pipe_repeats: int = 9
     pipe_stages: tuple[int, ...] = (2, 4)
 
+    @property
+    def pipe_rows(self) -> int:
+        """Rows per micro-batch of the pipelines (half a cost stage's, to keep their steps short)."""
+        return self.rows // 2 if self.rows > 16 else self.rows
+
 
 QUICK = Config(widths=(32,), rows=16, repeats=2, micro_batches=4, pipe_repeats=1)
 
@@ -185,7 +190,7 @@ def _pipe_steps(p: int, width: int, rows: int, m: int, count: int) -> dict[str, 
 def run(config: Config) -> tuple[list[list[object]], list[list[object]]]:
     """(the cost rows, the 1F1B-beside-ZB-H1 rows)."""
     costs_rows, step_rows = [], []
-    rows = config.rows // 2 if config.rows > 16 else config.rows  # per micro-batch of the pipelines
+    rows = config.pipe_rows
     cores = os.cpu_count() or 1
     processes = {p: _process_steps(p, config.widths, rows, config.micro_batches, config.pipe_repeats)
                  for p in config.pipe_stages}  # one launch per p for every width: start-up is the slow part
@@ -232,7 +237,7 @@ def markdown(costs_rows: list[list[object]], step_rows: list[list[object]], conf
     return "\n".join([f"Split backward on {machine_label()} ({torch.get_num_threads()} torch threads, {cores} cores; "
                       f"medians of {config.repeats} interleaved repeats)", "", markdown_table(head, costs_rows), "",
                       f"1F1B beside ZB-H1, m = {config.micro_batches} (the pipelines: {config.pipe_repeats} steps "
-                      f"each, alternating, {config.rows // 2 if config.rows > 16 else config.rows} rows per "
+                      f"each, alternating, {config.pipe_rows} rows per "
                       f"micro-batch, {cores} cores; simulated from each repeat of the pipeline stage's own costs; "
                       "where a stage has less than one core the step nears the total work over the cores):",
                       "", markdown_table(steps, step_rows)])

@@ -125,15 +125,11 @@ def replay(schedule: Schedule, costs: Costs = (1.0, 1.0), comm: float = 0.0, cor
     if cores is not None:
         positive_int("cores", cores)
         return _replay_shared(schedule, per_stage, comm, cores)
-    split, p, place = schedule.split_backward, schedule.num_stages, schedule.placement
+    p = schedule.num_stages
     position, rank_free = [0] * p, [0.0] * p
     finished: dict[tuple[str, int, int], float] = {}
     order: list[tuple[int, Action, float, float]] = []
     total = sum(len(actions) for actions in schedule.stages)
-
-    def arrival(kind: str, s: int, i: int, me: int) -> float:
-        return finished[(kind, s, i)] + (comm if place[s] != me else 0.0)
-
     while len(order) < total:
         candidates = []
         for j in range(p):
@@ -142,21 +138,11 @@ def replay(schedule: Schedule, costs: Costs = (1.0, 1.0), comm: float = 0.0, cor
             action = schedule.stages[j][position[j]]
             if not action_ready(schedule, j, action, finished):
                 continue
-            kind, s, i = _key(schedule, j, action)
-            inputs = [rank_free[j]]
-            if kind == "F" and s > 0:
-                inputs.append(arrival("F", s - 1, i, j))
-            if kind == "B" and s + 1 < len(place):
-                inputs.append(arrival("B", s + 1, i, j))
-            candidates.append((max(inputs), j, action))
+            candidates.append((max(rank_free[j], _input_arrival(schedule, j, action, finished, comm)), j, action))
         if not candidates:
-            blocked = {f"stage {j}": str(schedule.stages[j][position[j]])
-                       for j in range(p) if position[j] < len(schedule.stages[j])}
-            raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits for an action "
-                             f"that cannot run first; next actions: {blocked}")
+            raise _deadlock(schedule, position)
         start, j, action = min(candidates, key=lambda c: (c[0], c[1]))
-        f, b, w = per_stage[schedule.stage_of(j, action)]
-        end = start + {"F": f, "B": b if split else b + w, "W": w}[action.kind]
+        end = start + _duration(schedule, per_stage, j, action)
         finished[_key(schedule, j, action)] = end
         rank_free[j] = end
         position[j] += 1
@@ -172,7 +158,7 @@ def _replay_shared(schedule: Schedule, per_stage: list[tuple[float, float, float
     each runs at ``min(1, cores / busy)``; an action starts the moment its rank is free and its
     inputs have arrived, as in :func:`replay`, and ends when its work is done.
     """
-    split, p, place = schedule.split_backward, schedule.num_stages, schedule.placement
+    p = schedule.num_stages
     position = [0] * p
     finished: dict[tuple[str, int, int], float] = {}
     running: dict[int, list] = {}  # rank -> [action, work left, start]
@@ -188,21 +174,14 @@ def _replay_shared(schedule: Schedule, per_stage: list[tuple[float, float, float
             action = schedule.stages[j][position[j]]
             if not action_ready(schedule, j, action, finished):
                 continue
-            kind, s, i = _key(schedule, j, action)
-            made = finished[("F", s - 1, i)] if kind == "F" and s > 0 else \
-                finished[("B", s + 1, i)] if kind == "B" and s + 1 < len(place) else None
-            arrive = now if made is None else made + (comm if place[s + (1 if kind == "B" else -1)] != j else 0.0)
+            arrive = _input_arrival(schedule, j, action, finished, comm)
             if arrive > now + tolerance:
                 arrivals.append(arrive)
                 continue
-            f, b, w = per_stage[s]
-            running[j] = [action, {"F": f, "B": b if split else b + w, "W": w}[kind], now]
+            running[j] = [action, _duration(schedule, per_stage, j, action), now]
         if not running:
             if not arrivals:
-                blocked = {f"stage {j}": str(schedule.stages[j][position[j]])
-                           for j in range(p) if position[j] < len(schedule.stages[j])}
-                raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits for an action "
-                                 f"that cannot run first; next actions: {blocked}")
+                raise _deadlock(schedule, position)
             now = min(arrivals)
             continue
         rate = min(1.0, cores / len(running))
@@ -218,6 +197,31 @@ def _replay_shared(schedule: Schedule, per_stage: list[tuple[float, float, float
                 position[j] += 1
                 order.append((j, action, start, now))
     return order
+
+
+def _input_arrival(schedule: Schedule, j: int, action: Action, finished: dict[tuple[str, int, int], float],
+                   comm: float) -> float:
+    """When the input ``action`` on rank j waits for has arrived (0.0: it needs none from another stage):
+    its neighbour stage's output, ``comm`` later if that stage lives on another rank."""
+    kind, s, i = _key(schedule, j, action)
+    source = s - 1 if kind == "F" else s + 1 if kind == "B" else -1
+    if not 0 <= source < schedule.num_model_stages:
+        return 0.0
+    return finished[(kind, source, i)] + (comm if schedule.placement[source] != j else 0.0)
+
+
+def _duration(schedule: Schedule, per_stage: list[tuple[float, float, float]], j: int, action: Action) -> float:
+    """Seconds of ``action`` on rank j: F, B (B + W where the backward is not split) or W of its stage."""
+    f, b, w = per_stage[schedule.stage_of(j, action)]
+    return {"F": f, "B": b if schedule.split_backward else b + w, "W": w}[action.kind]
+
+
+def _deadlock(schedule: Schedule, position: list[int]) -> ValueError:
+    """The error for a replay where no rank can run its next action."""
+    blocked = {f"stage {j}": str(schedule.stages[j][position[j]])
+               for j in range(schedule.num_stages) if position[j] < len(schedule.stages[j])}
+    return ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits for an action "
+                      f"that cannot run first; next actions: {blocked}")
 
 
 def _label(schedule: Schedule, action: Action) -> str:
